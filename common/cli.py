@@ -1,0 +1,58 @@
+"""The ``epd`` command: one entry point, one subcommand per process role.
+
+Subcommands are dispatched by module path so that this module imports neither
+``encoder_server`` nor ``prefill_client`` (they never import each other, and
+``common`` imports neither).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> (module, function, summary). A function takes argv and returns an exit code.
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "encoder": ("encoder_server.cli", "main", "run the encoder service (gRPC + NIXL cache + /metrics)"),
+    "prefill": ("prefill_client.cli", "main", "run the reference prefill worker against encoders"),
+    "demo": ("prefill_client.demo", "main", "start an encoder and two prefill workers and run a workload"),
+    "bench": ("prefill_client.bench_cli", "main", "run a benchmark script and print its JSON result"),
+}
+
+EXIT_NOT_AVAILABLE = 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epd", description="Disaggregated encode/prefill encoder cache for vision-language serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, _, summary) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=summary, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in SUBCOMMANDS:
+        parser.error(f"unknown command {command!r}; choose from {', '.join(SUBCOMMANDS)}")
+    module_name, func_name, _ = SUBCOMMANDS[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        print(f"epd {command}: not available yet in this version", file=sys.stderr)
+        return EXIT_NOT_AVAILABLE
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(getattr(module, func_name)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""Configuration for both processes: frozen dataclasses built once at the edge.
+
+Each field is declared with :func:`setting`, which records its CLI flag, its
+environment variable and its help text. :func:`add_arguments` turns a config
+class into argparse flags, :func:`build` resolves a value per field with the
+precedence *CLI flag > environment variable > default*, and
+:func:`describe` lists every flag and variable (the README's configuration
+reference is checked against it). Nothing below the CLI reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import math
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.errors import ConfigError
+from common.layout import CacheLayout, auto_num_blocks, parse_dtype
+
+DEFAULT_GRPC_PORT = 50051
+DEFAULT_METRICS_PORT = 9400
+DEFAULT_PREFILL_METRICS_PORT = 9401
+
+# grpc.health.v1 service names the encoder registers besides the overall ""
+# status. Kubernetes probes name them; the deploy test imports these.
+LIVENESS_SERVICE = "liveness"
+READINESS_SERVICE = "readiness"
+
+# Hold before a freed block may be reused: none when encoder and prefill share
+# a process, 100 ms in EPD mode so a remote reader can finish its pull.
+MONOLITHIC_MIN_HOLD_MS = 0
+EPD_MIN_HOLD_MS = 100
+
+
+class CacheMode(str, enum.Enum):
+    EPD = "epd"
+    MONOLITHIC = "monolithic"
+
+
+class TransportKind(str, enum.Enum):
+    AUTO = "auto"  # real NIXL when importable, else the mock agent (with a warning)
+    NIXL = "nixl"
+    MOCK = "mock"
+
+
+class FailurePolicy(str, enum.Enum):
+    FAIL = "fail"
+    RETRY = "retry"
+
+
+def setting(default: Any, *, env: str, help: str, flag: str | None = None) -> Any:
+    """Declare a config field with its environment variable and help text."""
+    return field(default=default, metadata={"env": env, "help": help, "flag": flag})
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Encoder cache sizing and hold policy (``encoder_cache_*`` in the reference)."""
+
+    mode: CacheMode = setting(
+        CacheMode.EPD, env="EPD_CACHE_MODE", flag="--cache-mode",
+        help="epd (remote readers, 100 ms default hold) or monolithic (0 ms hold)")
+    block_size: int = setting(
+        256, env="EPD_BLOCK_SIZE", help="cache rows (merged tokens) per block")
+    num_blocks: int | None = setting(
+        None, env="EPD_CACHE_BLOCKS", flag="--cache-blocks",
+        help="encoder_cache_num_blocks: total blocks including the scratch block; "
+             "overrides --cache-bytes and --cache-tokens")
+    cache_bytes: int | None = setting(
+        None, env="EPD_CACHE_BYTES",
+        help="size the buffer to at most this many bytes (scratch block included)")
+    cache_tokens: int = setting(
+        16384, env="EPD_CACHE_TOKENS",
+        help="encoder_cache_size in tokens when no block count or byte size is given; "
+             "blocks = ceil(tokens / block_size) + 1")
+    min_hold_ms: int | None = setting(
+        None, env="EPD_MIN_HOLD_MS",
+        help="encoder_cache_min_hold_time_ms; default 100 in epd mode, 0 in monolithic")
+    lease_ttl_ms: int = setting(
+        30000, env="EPD_LEASE_TTL_MS",
+        help="a lease not released within this time expires and unpins its item")
+    dtype: str = setting(
+        "bfloat16", env="EPD_CACHE_DTYPE", flag="--cache-dtype", help="cache buffer dtype: bfloat16, float16, float32")
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "cache_tokens", "lease_ttl_ms"):
+            _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        if self.num_blocks is not None:
+            _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, "must be >= 2")
+        if self.cache_bytes is not None:
+            _require(self.cache_bytes > 0, "cache_bytes", self.cache_bytes, "must be > 0")
+        if self.min_hold_ms is not None:
+            _require(self.min_hold_ms >= 0, "min_hold_ms", self.min_hold_ms, "must be >= 0")
+        parse_dtype(self.dtype)
+
+    @property
+    def effective_min_hold_ms(self) -> int:
+        if self.min_hold_ms is not None:
+            return self.min_hold_ms
+        return EPD_MIN_HOLD_MS if self.mode is CacheMode.EPD else MONOLITHIC_MIN_HOLD_MS
+
+    def layout(self, out_hidden_size: int, num_deepstack_levels: int) -> CacheLayout:
+        """The buffer layout for an encoder with the given output width."""
+        dtype = parse_dtype(self.dtype)
+        probe = CacheLayout(2, self.block_size, out_hidden_size, num_deepstack_levels, dtype)
+        if self.num_blocks is not None:
+            num_blocks = self.num_blocks
+        elif self.cache_bytes is not None:
+            num_blocks = self.cache_bytes // probe.bytes_per_block
+            _require(num_blocks >= 2, "cache_bytes", self.cache_bytes,
+                     f"holds fewer than 2 blocks of {probe.bytes_per_block} bytes")
+        else:
+            num_blocks = auto_num_blocks(self.cache_tokens, self.block_size)
+        return dataclasses.replace(probe, num_blocks=num_blocks)
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS for the gRPC port; health stays reachable for probes either way."""
+
+    cert: str | None = setting(None, env="EPD_TLS_CERT", flag="--tls-cert", help="PEM certificate chain; enables TLS")
+    key: str | None = setting(None, env="EPD_TLS_KEY", flag="--tls-key", help="PEM private key for --tls-cert")
+    ca: str | None = setting(
+        None, env="EPD_TLS_CA", flag="--tls-ca",
+        help="PEM CA bundle: on the server, require client certificates signed by it (mTLS); "
+             "on the client, trust this CA")
+    auth_token: str | None = setting(
+        None, env="EPD_AUTH_TOKEN",
+        help="bearer token required on every EncoderCacheService call (health excepted)")
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError(f"--tls-cert and --tls-key go together, got cert={self.cert!r} key={self.key!r}")
+
+
+@dataclass(frozen=True)
+class EncoderServerConfig:
+    """Everything ``epd encoder`` needs."""
+
+    model_id: str = setting(
+        "tiny-qwen3-vl", env="EPD_MODEL_ID",
+        help="model identity; consumers must handshake with exactly this id")
+    host: str = setting("127.0.0.1", env="EPD_HOST", help="gRPC listen address")
+    port: int = setting(DEFAULT_GRPC_PORT, env="EPD_PORT", help="gRPC port (0 picks a free one)")
+    metrics_port: int = setting(
+        DEFAULT_METRICS_PORT, env="EPD_METRICS_PORT",
+        help="HTTP port for /metrics (0 picks a free one, -1 disables)")
+    transport: TransportKind = setting(
+        TransportKind.AUTO, env="EPD_TRANSPORT", help="nixl, mock, or auto (nixl when installed)")
+    weights: str | None = setting(
+        None, env="EPD_WEIGHTS",
+        help="Hugging Face Qwen3-VL checkpoint directory; random tiny encoder when unset")
+    device: str = setting("cpu", env="EPD_DEVICE", help="torch device for the encoder and the cache")
+    max_items_per_request: int = setting(
+        64, env="EPD_MAX_ITEMS", flag="--max-items", help="media items accepted in one request")
+    max_message_bytes: int = setting(
+        64 << 20, env="EPD_MAX_MESSAGE_BYTES", help="largest gRPC message accepted")
+    max_image_pixels: int = setting(
+        16_777_216, env="EPD_MAX_IMAGE_PIXELS", help="largest decoded image (width x height)")
+    max_video_frames: int = setting(
+        64, env="EPD_MAX_VIDEO_FRAMES", help="most frames accepted for one video item")
+    drain_grace_s: float = setting(
+        20.0, env="EPD_DRAIN_GRACE_S",
+        help="on SIGTERM, how long to wait for in-flight requests and leases before exiting")
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model_id), "model_id", self.model_id, "must be non-empty")
+        _require(0 <= self.port < 65536, "port", self.port, "must be in 0..65535")
+        _require(-1 <= self.metrics_port < 65536, "metrics_port", self.metrics_port, "must be in -1..65535")
+        for name in ("max_items_per_request", "max_message_bytes", "max_image_pixels", "max_video_frames"):
+            _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        _require(self.drain_grace_s >= 0, "drain_grace_s", self.drain_grace_s, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Everything ``epd prefill`` and :class:`EncoderCacheClient` need."""
+
+    encoders: tuple[str, ...] = setting(
+        (f"127.0.0.1:{DEFAULT_GRPC_PORT}",), env="EPD_ENCODERS", flag="--encoder",
+        help="encoder targets, comma separated HOST:PORT, or dns:///NAME:PORT resolving to every pod")
+    model_id: str = setting(
+        "tiny-qwen3-vl", env="EPD_MODEL_ID", help="model identity sent in the handshake")
+    consumer_id: str | None = setting(
+        None, env="EPD_CONSUMER_ID", help="identity in leases and logs; default host:pid")
+    transport: TransportKind = setting(
+        TransportKind.AUTO, env="EPD_TRANSPORT", help="nixl, mock, or auto; must match the encoder's")
+    metrics_port: int = setting(
+        DEFAULT_PREFILL_METRICS_PORT, env="EPD_PREFILL_METRICS_PORT",
+        help="HTTP port for the worker's /metrics (0 picks a free one, -1 disables)")
+    rpc_timeout_s: float = setting(10.0, env="EPD_RPC_TIMEOUT_S", help="deadline of each gRPC call")
+    pull_timeout_s: float = setting(
+        2.0, env="EPD_PULL_TIMEOUT_S", help="deadline of each NIXL transfer wait")
+    failure_policy: FailurePolicy = setting(
+        FailurePolicy.FAIL, env="EPD_FAILURE_POLICY",
+        help="fail: raise ECLoadFailure; retry: re-request the item once, then raise")
+    landing_blocks: int = setting(
+        64, env="EPD_LANDING_BLOCKS", help="registered landing blocks for pulls")
+    local_cache_blocks: int = setting(
+        256, env="EPD_LOCAL_CACHE_BLOCKS", help="consumer-side cache of pulled items, in blocks")
+    device: str = setting("cpu", env="EPD_DEVICE", help="torch device of the prefill graph")
+    tls: TlsConfig = field(default_factory=TlsConfig)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.encoders), "encoders", self.encoders, "needs at least one target")
+        _require(bool(self.model_id), "model_id", self.model_id, "must be non-empty")
+        for name in ("rpc_timeout_s", "pull_timeout_s", "landing_blocks", "local_cache_blocks"):
+            _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+
+
+# --- CLI / environment plumbing -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SettingInfo:
+    """One configurable value as the README's reference lists it."""
+
+    path: tuple[str, ...]  # field names from the top-level config, nested ones included
+    flag: str
+    env: str
+    default: Any
+    help: str
+    type: Any
+
+
+def _require(ok: bool, name: str, value: object, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} {what}, got {value!r}")
+
+
+def iter_settings(cls: type, prefix: tuple[str, ...] = ()) -> Iterator[SettingInfo]:
+    """Every leaf setting of a config class, nested config classes flattened."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from iter_settings(hint, prefix + (f.name,))
+            continue
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        yield SettingInfo(prefix + (f.name,), flag, f.metadata["env"], f.default, f.metadata["help"], hint)
+
+
+def describe(cls: type) -> list[SettingInfo]:
+    return list(iter_settings(cls))
+
+
+def _base_type(hint: Any) -> tuple[Any, bool]:
+    """(inner type, optional?) for ``X | None``."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], True
+    return hint, False
+
+
+def _convert(info: SettingInfo, raw: str, source: str) -> Any:
+    base, optional = _base_type(info.type)
+    if optional and raw.strip() in ("", "none", "None"):
+        return None
+    try:
+        if base is bool:
+            lowered = raw.strip().lower()
+            if lowered not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError(raw)
+            return lowered in ("1", "true", "yes", "on")
+        if base is int:
+            return int(raw, 0)
+        if base is float:
+            value = float(raw)
+            if not math.isfinite(value):
+                raise ValueError(raw)
+            return value
+        if typing.get_origin(base) is tuple:
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        if isinstance(base, type) and issubclass(base, enum.Enum):
+            return base(raw.strip().lower())
+        return raw
+    except ValueError:
+        raise ConfigError(f"{source} has an invalid value {raw!r} for {info.flag}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one flag per setting; defaults stay None so unset flags fall back to env."""
+    for info in iter_settings(cls):
+        base, _ = _base_type(info.type)
+        default = info.default.value if isinstance(info.default, enum.Enum) else info.default
+        if isinstance(default, tuple):
+            default = ",".join(default)
+        extra: dict[str, Any] = {}
+        if isinstance(base, type) and issubclass(base, enum.Enum):
+            extra["choices"] = [m.value for m in base]
+        parser.add_argument(
+            info.flag, dest="_".join(info.path), default=None, metavar=None if extra else info.path[-1].upper(),
+            help=f"{info.help} [env {info.env}; default {default}]", **extra,
+        )
+
+
+def build(cls: type, args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None) -> Any:
+    """Resolve a config: CLI flag, else environment variable, else default."""
+    environ = environ or {}
+    values: dict[tuple[str, ...], Any] = {}
+    for info in iter_settings(cls):
+        raw = getattr(args, "_".join(info.path), None) if args is not None else None
+        if raw is not None:
+            values[info.path] = _convert(info, str(raw), f"flag {info.flag}")
+        elif info.env in environ:
+            values[info.path] = _convert(info, environ[info.env], f"environment variable {info.env}")
+    return _instantiate(cls, values, ())
+
+
+def _instantiate(cls: type, values: dict[tuple[str, ...], Any], prefix: tuple[str, ...]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        path = prefix + (f.name,)
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _instantiate(hints[f.name], values, path)
+        elif path in values:
+            kwargs[f.name] = values[path]
+    return cls(**kwargs)
+
+
+def markdown_reference(cls: type) -> str:
+    """The README's configuration table for one config class."""
+    rows = ["| flag | env | default | meaning |", "| --- | --- | --- | --- |"]
+    for info in iter_settings(cls):
+        default = info.default.value if isinstance(info.default, enum.Enum) else info.default
+        if isinstance(default, tuple):
+            default = ",".join(default)
+        rows.append(f"| `{info.flag}` | `{info.env}` | {default if default is not None else '—'} | {info.help} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    for config_cls in (EncoderServerConfig, PrefillConfig):
+        print(f"### {config_cls.__name__}\n\n{markdown_reference(config_cls)}\n")

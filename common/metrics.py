@@ -1,0 +1,153 @@
+"""Prometheus metric definitions for both processes.
+
+Names come from the reference metrics document (``vllm:*``,
+``vllm_neuron:*``); the EPD pull metrics are this project's own (``epd_*``).
+Where each layer lives once encode and prefill are separate processes:
+
+============================  ==========  ==========================================
+layer                         process     metrics
+============================  ==========  ==========================================
+1 input processor             both        vllm:mm_cache_queries / _hits
+2b prefix cache               prefill     vllm:prefix_cache_queries / _hits
+2a logical encoder cache      prefill     vllm_neuron:scheduler_encoder_cache_queries / _hits
+3 device encoder cache        encoder     vllm_neuron:device_encoder_cache_queries / _misses /
+                                          _evictions + occupancy gauges
+EPD pull                      prefill     epd_pulls, epd_pull_bytes, epd_pull_latency_seconds,
+                                          epd_ec_load_failures{reason}, epd_handshakes{result}
+============================  ==========  ==========================================
+
+Each class registers its metrics in the registry it is given (a fresh one by
+default, so several servers in one test process do not collide). Gauges use
+``multiprocess_mode="sum"``: with ``PROMETHEUS_MULTIPROC_DIR`` set, ranks'
+values add up, so the export is the fleet-wide total.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+# vLLM does the same: the *_created series double every counter for no use.
+disable_created_metrics()
+
+# Layer 1: input processor.
+MM_CACHE_QUERIES = "vllm:mm_cache_queries"
+MM_CACHE_HITS = "vllm:mm_cache_hits"
+# Layer 2b: prefix (KV) cache.
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+# Layer 2a: logical ("scheduler") encoder cache.
+SCHEDULER_EC_QUERIES = "vllm_neuron:scheduler_encoder_cache_queries"
+SCHEDULER_EC_HITS = "vllm_neuron:scheduler_encoder_cache_hits"
+# Layer 3: device encoder cache.
+DEVICE_EC_QUERIES = "vllm_neuron:device_encoder_cache_queries"
+DEVICE_EC_MISSES = "vllm_neuron:device_encoder_cache_misses"
+DEVICE_EC_EVICTIONS = "vllm_neuron:device_encoder_cache_evictions"
+DEVICE_EC_ACTIVE_BLOCKS = "vllm_neuron:device_encoder_cache_active_blocks"
+DEVICE_EC_FREE_BLOCKS = "vllm_neuron:device_encoder_cache_free_blocks"
+DEVICE_EC_HELD_BLOCKS = "vllm_neuron:device_encoder_cache_held_blocks"
+DEVICE_EC_ACTIVE_REAL_TOKENS = "vllm_neuron:device_encoder_cache_active_real_tokens"
+# EPD pull (prefill side).
+EPD_PULLS = "epd_pulls"
+EPD_PULL_BYTES = "epd_pull_bytes"
+EPD_PULL_LATENCY = "epd_pull_latency_seconds"
+EPD_LOAD_FAILURES = "epd_ec_load_failures"
+EPD_HANDSHAKES = "epd_handshakes"
+# Encoder service.
+EPD_ENCODE_REQUESTS = "epd_encoder_requests"
+EPD_ENCODE_LATENCY = "epd_encoder_encode_latency_seconds"
+EPD_LEASES_ACTIVE = "epd_encoder_leases_active"
+EPD_LEASES_EXPIRED = "epd_encoder_leases_expired"
+
+_PULL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class InputProcessorMetrics:
+    """Layer 1, present in both processes."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.mm_cache_queries = Counter(
+            MM_CACHE_QUERIES, "Input-processor cache lookups, hits and misses", registry=registry)
+        self.mm_cache_hits = Counter(
+            MM_CACHE_HITS, "Input-processor cache hits", registry=registry)
+
+
+class EncoderMetrics(InputProcessorMetrics):
+    """Metrics the encoder process exports."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        super().__init__(self.registry)
+        r = self.registry
+        self.device_queries = Counter(
+            DEVICE_EC_QUERIES, "Items checked against the device encoder cache", registry=r)
+        self.device_misses = Counter(
+            DEVICE_EC_MISSES, "Items not in the device encoder cache (encoder ran)", registry=r)
+        self.device_evictions = Counter(
+            DEVICE_EC_EVICTIONS, "Blocks evicted from the device encoder cache", registry=r)
+        self.active_blocks = Gauge(
+            DEVICE_EC_ACTIVE_BLOCKS, "Blocks allocated to cached items",
+            registry=r, multiprocess_mode="sum")
+        self.free_blocks = Gauge(
+            DEVICE_EC_FREE_BLOCKS, "Blocks allocatable now", registry=r, multiprocess_mode="sum")
+        self.held_blocks = Gauge(
+            DEVICE_EC_HELD_BLOCKS, "Freed blocks still inside the minimum hold window",
+            registry=r, multiprocess_mode="sum")
+        self.active_real_tokens = Gauge(
+            DEVICE_EC_ACTIVE_REAL_TOKENS, "Real (non-padding) tokens in active blocks",
+            registry=r, multiprocess_mode="sum")
+        self.requests = Counter(
+            EPD_ENCODE_REQUESTS, "EncoderCacheService calls by method and status",
+            ["method", "code"], registry=r)
+        self.encode_latency = Histogram(
+            EPD_ENCODE_LATENCY, "Time of one encoder graph run", registry=r, buckets=_PULL_BUCKETS)
+        self.leases_active = Gauge(
+            EPD_LEASES_ACTIVE, "Leases currently pinning items", registry=r, multiprocess_mode="sum")
+        self.leases_expired = Counter(
+            EPD_LEASES_EXPIRED, "Leases that expired without a release", registry=r)
+
+    def set_occupancy(self, active: int, free: int, held: int, active_real_tokens: int) -> None:
+        """Snapshot the allocator once per step, after the allocate and evict batches."""
+        self.active_blocks.set(active)
+        self.free_blocks.set(free)
+        self.held_blocks.set(held)
+        self.active_real_tokens.set(active_real_tokens)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class PrefillMetrics(InputProcessorMetrics):
+    """Metrics a prefill worker exports."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        super().__init__(self.registry)
+        r = self.registry
+        self.prefix_cache_queries = Counter(
+            PREFIX_CACHE_QUERIES, "Prefix-cache block lookups, hits and misses", registry=r)
+        self.prefix_cache_hits = Counter(PREFIX_CACHE_HITS, "Prefix-cache block hits", registry=r)
+        self.scheduler_queries = Counter(
+            SCHEDULER_EC_QUERIES, "Logical encoder-cache checks for image tokens outside a prefix hit",
+            registry=r)
+        self.scheduler_hits = Counter(
+            SCHEDULER_EC_HITS, "Logical encoder-cache hits (item already encoded and reachable)",
+            registry=r)
+        self.pulls = Counter(EPD_PULLS, "Items pulled from an encoder over NIXL", registry=r)
+        self.pull_bytes = Counter(EPD_PULL_BYTES, "Bytes pulled from encoders over NIXL", registry=r)
+        self.pull_latency = Histogram(
+            EPD_PULL_LATENCY, "Time from issuing a block READ to a verified item",
+            registry=r, buckets=_PULL_BUCKETS)
+        self.load_failures = Counter(
+            EPD_LOAD_FAILURES, "ECLoadFailure raised, by reason", ["reason"], registry=r)
+        self.handshakes = Counter(
+            EPD_HANDSHAKES, "Handshakes with encoders, by result", ["result"], registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

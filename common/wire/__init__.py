@@ -1,0 +1,21 @@
+"""Wire protocol shared by the encoder and prefill processes.
+
+The ``encoder_cache_pb2*`` modules beside this file are generated from
+``proto/epd/v1/encoder_cache.proto`` by ``python -m common.wire.codegen`` and
+committed; a test regenerates them and fails on any difference.
+"""
+
+from __future__ import annotations
+
+from common.wire import encoder_cache_pb2 as pb2
+from common.wire import encoder_cache_pb2_grpc as pb2_grpc
+
+# Protocol version history (bump on any change a peer must know about):
+#   1 - first version: Handshake / Encode / Lookup / Release; blocks are read
+#       before tags and generations; leases released by RPC or by the NIXL
+#       notification on the tag read.
+PROTOCOL_VERSION = 1
+
+SERVICE_NAME = "epd.v1.EncoderCacheService"
+
+__all__ = ["PROTOCOL_VERSION", "SERVICE_NAME", "pb2", "pb2_grpc"]

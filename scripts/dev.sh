@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Set up .venv/ at the repository root, then run a task.
+#
+#   bash scripts/dev.sh demo [ARGS]   set up, then run `epd demo ARGS`
+#   bash scripts/dev.sh test [ARGS]   set up, then run the whole test suite (pytest ARGS)
+#   bash scripts/dev.sh setup         set up only
+#
+# torch is installed first, on its own: a plain `torch` requirement on a machine
+# without torch pulls a multi-GB CUDA build. EPD_TORCH_SPEC overrides what is
+# installed (default torch==2.13.0, the CPU wheel here; e.g. a CUDA or Neuron
+# build elsewhere). Set-up is skipped when nothing it depends on changed.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+STAMP="$VENV/.epd-setup"
+
+setup() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        "$PYTHON" -m venv "$VENV"
+    fi
+    local want
+    want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)"-${EPD_TORCH_SPEC:-default}"
+    if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+        return 0
+    fi
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    if [ -n "${EPD_TORCH_SPEC:-}" ]; then
+        "$VENV/bin/python" -m pip install --quiet "$EPD_TORCH_SPEC"
+    elif ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+        "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+    fi
+    "$VENV/bin/python" -m pip install --quiet -e ".[nixl,test]"
+    echo "$want" > "$STAMP"
+}
+
+task=${1:-test}
+shift || true
+case "$task" in
+    setup) setup ;;
+    demo) setup; exec "$VENV/bin/epd" demo "$@" ;;
+    test) setup; exec "$VENV/bin/python" -m pytest "$@" ;;
+    *) echo "usage: bash scripts/dev.sh {demo|test|setup} [ARGS]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+import subprocess
+
+from common.cli import SUBCOMMANDS
+
+
+def test_help_lists_every_subcommand(venv_bin) -> None:
+    out = subprocess.run([str(venv_bin / "epd"), "--help"], capture_output=True, text=True, check=True)
+    for name in ("encoder", "prefill", "demo", "bench"):
+        assert name in SUBCOMMANDS
+        assert name in out.stdout
+
+
+def test_unknown_command_fails(venv_bin) -> None:
+    result = subprocess.run([str(venv_bin / "epd"), "frobnicate"], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "frobnicate" in result.stderr

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from common.config import (
+    CacheConfig,
+    CacheMode,
+    EncoderServerConfig,
+    PrefillConfig,
+    TransportKind,
+    add_arguments,
+    build,
+    describe,
+)
+from common.errors import ConfigError
+
+
+def _parse(cls: type, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, cls)
+    return parser.parse_args(argv)
+
+
+def test_min_hold_defaults_by_mode() -> None:
+    assert CacheConfig(mode=CacheMode.EPD).effective_min_hold_ms == 100
+    assert CacheConfig(mode=CacheMode.MONOLITHIC).effective_min_hold_ms == 0
+    assert CacheConfig(mode=CacheMode.EPD, min_hold_ms=5).effective_min_hold_ms == 5
+
+
+def test_precedence_cli_over_env_over_default() -> None:
+    env = {"EPD_PORT": "7000", "EPD_MIN_HOLD_MS": "7", "EPD_MODEL_ID": "from-env"}
+    cfg = build(EncoderServerConfig, _parse(EncoderServerConfig, ["--port", "8000"]), env)
+    assert cfg.port == 8000
+    assert cfg.cache.min_hold_ms == 7
+    assert cfg.model_id == "from-env"
+    assert cfg.metrics_port == 9400
+    assert build(EncoderServerConfig, None, {}) == EncoderServerConfig()
+
+
+def test_types_enums_and_lists() -> None:
+    cfg = build(PrefillConfig, _parse(PrefillConfig, ["--encoder", "a:1, b:2", "--transport", "mock"]), {})
+    assert cfg.encoders == ("a:1", "b:2")
+    assert cfg.transport is TransportKind.MOCK
+    cfg = build(EncoderServerConfig, None, {"EPD_CACHE_BLOCKS": "0x10", "EPD_CACHE_MODE": "MONOLITHIC"})
+    assert cfg.cache.num_blocks == 16
+    assert cfg.cache.mode is CacheMode.MONOLITHIC
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"EPD_PORT": "eighty"}, "EPD_PORT"),
+        ({"EPD_PORT": "70000"}, "port"),
+        ({"EPD_BLOCK_SIZE": "0"}, "block_size"),
+        ({"EPD_CACHE_BLOCKS": "1"}, "num_blocks"),
+        ({"EPD_CACHE_DTYPE": "int8"}, "int8"),
+        ({"EPD_TRANSPORT": "carrier-pigeon"}, "EPD_TRANSPORT"),
+        ({"EPD_DRAIN_GRACE_S": "nan"}, "EPD_DRAIN_GRACE_S"),
+        ({"EPD_TLS_CERT": "cert.pem"}, "tls-key"),
+    ],
+)
+def test_bad_values_raise_config_error_naming_them(env: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        build(EncoderServerConfig, None, env)
+
+
+def test_layout_sizing_precedence() -> None:
+    assert CacheConfig(block_size=256, cache_tokens=1000).layout(64, 1).num_blocks == 5
+    by_bytes = CacheConfig(block_size=16, cache_bytes=16 * 64 * 2 * 2 * 10).layout(64, 1)
+    assert by_bytes.num_blocks == 10
+    assert CacheConfig(block_size=16, num_blocks=3, cache_bytes=10**9).layout(64, 1).num_blocks == 3
+    with pytest.raises(ConfigError, match="cache_bytes"):
+        CacheConfig(block_size=16, cache_bytes=100).layout(64, 1)
+
+
+def test_frozen() -> None:
+    cfg = EncoderServerConfig()
+    with pytest.raises(Exception):
+        cfg.port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("cls", [EncoderServerConfig, PrefillConfig])
+def test_readme_documents_every_flag_and_env(cls: type, repo_root) -> None:
+    readme = (repo_root / "README.md").read_text()
+    for info in describe(cls):
+        assert f"`{info.flag}`" in readme, f"README lacks flag {info.flag}"
+        assert f"`{info.env}`" in readme, f"README lacks env var {info.env}"
