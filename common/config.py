@@ -151,12 +151,20 @@ class EncoderServerConfig:
     metrics_port: int = setting(
         DEFAULT_METRICS_PORT, env="EPD_METRICS_PORT",
         help="HTTP port for /metrics (0 picks a free one, -1 disables)")
+    health_port: int = setting(
+        -1, env="EPD_HEALTH_PORT",
+        help="extra plaintext port serving only grpc.health.v1, for probes that cannot do TLS "
+             "(Kubernetes gRPC probes); -1: none, health is on the gRPC port")
     transport: TransportKind = setting(
         TransportKind.AUTO, env="EPD_TRANSPORT", help="nixl, mock, or auto (nixl when installed)")
     weights: str | None = setting(
         None, env="EPD_WEIGHTS",
         help="Hugging Face Qwen3-VL checkpoint directory; random tiny encoder when unset")
     device: str = setting("cpu", env="EPD_DEVICE", help="torch device for the encoder and the cache")
+    encoder_backend: str = setting(
+        "auto", env="EPD_ENCODER_BACKEND",
+        help="encoder graph backend: eager, compile (torch.compile, every bucket compiled at start-up), "
+             "neuron, or auto (compile, measured faster than eager on CPU)")
     max_items_per_request: int = setting(
         64, env="EPD_MAX_ITEMS", flag="--max-items", help="media items accepted in one request")
     max_message_bytes: int = setting(
@@ -165,6 +173,11 @@ class EncoderServerConfig:
         16_777_216, env="EPD_MAX_IMAGE_PIXELS", help="largest decoded image (width x height)")
     max_video_frames: int = setting(
         64, env="EPD_MAX_VIDEO_FRAMES", help="most frames accepted for one video item")
+    input_cache_bytes: int = setting(
+        256 << 20, env="EPD_INPUT_CACHE_BYTES",
+        help="layer-1 cache of preprocessed pixel tensors, in bytes (0 disables)")
+    encode_workers: int = setting(
+        2, env="EPD_ENCODE_WORKERS", help="threads that decode and preprocess media")
     drain_grace_s: float = setting(
         20.0, env="EPD_DRAIN_GRACE_S",
         help="on SIGTERM, how long to wait for in-flight requests and leases before exiting")
@@ -175,7 +188,12 @@ class EncoderServerConfig:
         _require(bool(self.model_id), "model_id", self.model_id, "must be non-empty")
         _require(0 <= self.port < 65536, "port", self.port, "must be in 0..65535")
         _require(-1 <= self.metrics_port < 65536, "metrics_port", self.metrics_port, "must be in -1..65535")
-        for name in ("max_items_per_request", "max_message_bytes", "max_image_pixels", "max_video_frames"):
+        _require(-1 <= self.health_port < 65536, "health_port", self.health_port, "must be in -1..65535")
+        _require(self.encoder_backend in ("auto", "eager", "compile", "neuron"), "encoder_backend",
+                 self.encoder_backend, "must be auto, eager, compile or neuron")
+        _require(self.input_cache_bytes >= 0, "input_cache_bytes", self.input_cache_bytes, "must be >= 0")
+        for name in ("max_items_per_request", "max_message_bytes", "max_image_pixels",
+                     "max_video_frames", "encode_workers"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         _require(self.drain_grace_s >= 0, "drain_grace_s", self.drain_grace_s, "must be >= 0")
 
@@ -207,13 +225,37 @@ class PrefillConfig:
     local_cache_blocks: int = setting(
         256, env="EPD_LOCAL_CACHE_BLOCKS", help="consumer-side cache of pulled items, in blocks")
     device: str = setting("cpu", env="EPD_DEVICE", help="torch device of the prefill graph")
+    metrics_host: str = setting(
+        "127.0.0.1", env="EPD_PREFILL_METRICS_HOST",
+        help="listen address of the worker's /metrics (0.0.0.0 to be scraped from outside a pod)")
+    lm_weights: str | None = setting(
+        None, env="EPD_LM_WEIGHTS",
+        help="directory with config.json + *.safetensors of a Qwen3-style text model; random init when unset")
+    lm_seed: int = setting(0, env="EPD_LM_SEED", help="seed of the LM's deterministic random init")
+    out_hidden_size: int = setting(
+        64, env="EPD_OUT_HIDDEN_SIZE", help="LM hidden size; must equal the encoder's out_hidden_size")
+    deepstack_levels: int = setting(
+        2, env="EPD_DEEPSTACK_LEVELS",
+        help="deepstack levels in each encoder row, added after the LM's first layers; must match the encoder")
+    max_model_len: int = setting(8192, env="EPD_MAX_MODEL_LEN", help="longest prompt, in tokens")
+    prefix_block_size: int = setting(
+        16, env="EPD_PREFIX_BLOCK_SIZE", help="tokens per prefix-cache (KV) block")
+    prefix_cache_blocks: int = setting(
+        4096, env="EPD_PREFIX_CACHE_BLOCKS", help="prefix-cache capacity, in blocks (LRU)")
+    mm_cache_items: int = setting(
+        1024, env="EPD_MM_CACHE_ITEMS", help="layer-1 input-processor cache capacity, in items (LRU)")
+    compile_graph: bool = setting(
+        False, env="EPD_COMPILE", flag="--compile", help="torch.compile the prefill graph (true/false)")
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.encoders), "encoders", self.encoders, "needs at least one target")
         _require(bool(self.model_id), "model_id", self.model_id, "must be non-empty")
-        for name in ("rpc_timeout_s", "pull_timeout_s", "landing_blocks", "local_cache_blocks"):
+        for name in ("rpc_timeout_s", "pull_timeout_s", "landing_blocks", "local_cache_blocks",
+                     "out_hidden_size", "max_model_len", "prefix_block_size", "prefix_cache_blocks",
+                     "mm_cache_items"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        _require(self.deepstack_levels >= 0, "deepstack_levels", self.deepstack_levels, "must be >= 0")
 
 
 # --- CLI / environment plumbing -------------------------------------------------------

@@ -15,6 +15,7 @@ the gRPC status it maps to, so the servicer aborts with
     ├── StaleIncarnationError     FAILED_PRECONDITION producer restarted: re-handshake
     ├── CacheFullError            RESOURCE_EXHAUSTED nothing evictable; retry_after_ms
     ├── NotFoundError             NOT_FOUND
+    ├── ServiceDraining           UNAVAILABLE        encoder shutting down: use another
     ├── TransportError            UNAVAILABLE        NIXL / mock transport failure
     │   ├── TransportUnavailable  FAILED_PRECONDITION no NIXL package installed
     │   ├── TransferTimeout       DEADLINE_EXCEEDED  our deadline passed; landing quarantined
@@ -94,6 +95,12 @@ class CacheFullError(EpdError):
 
 class NotFoundError(EpdError):
     grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+class ServiceDraining(EpdError):
+    """The encoder is shutting down and takes no new work."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
 
 
 class TransportError(EpdError):

@@ -83,7 +83,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., consumer_id: _Optional[str] = ..., expected_layout: _Optional[_Union[CacheLayout, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "incarnation_id", "agent_name", "agent_metadata", "layout", "buffer_region", "tag_region", "generation_region", "min_hold_ms", "lease_ttl_ms", "compatibility_hash", "transport")
+    __slots__ = ("protocol_version", "model_id", "incarnation_id", "agent_name", "agent_metadata", "layout", "buffer_region", "tag_region", "generation_region", "min_hold_ms", "lease_ttl_ms", "compatibility_hash", "transport", "preprocess")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class HandshakeResponse(_message.Message):
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     incarnation_id: str
@@ -110,7 +111,30 @@ class HandshakeResponse(_message.Message):
     lease_ttl_ms: int
     compatibility_hash: str
     transport: str
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., buffer_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., tag_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., generation_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., min_hold_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
+    preprocess: PreprocessParams
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., buffer_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., tag_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., generation_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., min_hold_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., transport: _Optional[str] = ..., preprocess: _Optional[_Union[PreprocessParams, _Mapping]] = ...) -> None: ...
+
+class PreprocessParams(_message.Message):
+    __slots__ = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "fingerprint", "video_min_pixels", "video_max_pixels", "video_sample_fps")
+    PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MERGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TEMPORAL_PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_SAMPLE_FPS_FIELD_NUMBER: _ClassVar[int]
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    min_pixels: int
+    max_pixels: int
+    fingerprint: str
+    video_min_pixels: int
+    video_max_pixels: int
+    video_sample_fps: float
+    def __init__(self, patch_size: _Optional[int] = ..., merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., fingerprint: _Optional[str] = ..., video_min_pixels: _Optional[int] = ..., video_max_pixels: _Optional[int] = ..., video_sample_fps: _Optional[float] = ...) -> None: ...
 
 class VideoFrames(_message.Message):
     __slots__ = ("frames", "fps")

@@ -1,0 +1,275 @@
+"""Pull throughput: the verified pull against a bare NIXL READ and a memcpy of the same bytes (run by hand).
+
+A producer process (this script with ``--serve``) registers a cache buffer
+per block size through :class:`ProducerTransport`; this process pulls random
+blocks from it three ways, round-robin in the same run so a noisy neighbour
+slows all of them alike, and reports the median of the repeats:
+
+- ``verified_gbps``: the project's pull through :class:`ConsumerTransport`:
+  ``read_blocks`` into landing blocks, then ``read_tags`` (a second READ,
+  carrying a lease-release notification), then the fingerprint and
+  generation checks;
+- ``bare_gbps``: one ``make_prepped_xfer("READ")`` of the same blocks on a
+  separate agent with its own prepped dlists, busy-polled until done;
+- ``memcpy_gbps``: ``memmove`` of the same number of blocks between two
+  local buffers, one call per block.
+
+Rates count block bytes only (tags are overhead). Target: verified >= 90 % of
+bare for batches of 8+ blocks of 1 MiB or more. Memory: the producer buffer
+holds ``max batch + 1`` blocks of the largest size, the consumer twice the
+largest batch (landing + bare landing): about 3 GiB at 16 MiB x 64.
+
+Usage: ``python bench/pull_throughput.py [--transport auto|nixl|mock] [--quick]
+[--block-sizes 65536,1048576] [--batches 1,8,64] [--repeats 5]``. The last
+line of stdout is one JSON object:
+``{"transport", "results": [{"block_bytes", "batch", "verified_gbps", "bare_gbps", "memcpy_gbps"}], ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import select
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.errors import EpdError  # noqa: E402
+from common.transport import (  # noqa: E402
+    ConsumerTransport,
+    ProducerTransport,
+    TransferState,
+    create_agent,
+    encode_release_notification,
+    resolve_transport_kind,
+)
+from common.transport.binding import LOCAL_AGENT, agent_name_of  # noqa: E402
+from common.transport.regions import RegionDesc  # noqa: E402
+from common.wire import pb2  # noqa: E402
+
+ROW_BYTES = 4096  # fat_dim 2048 in bf16
+FAT_DIM = ROW_BYTES // 2
+DEFAULT_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+DEFAULT_BATCHES = (1, 4, 8, 16, 64)
+QUICK_SIZES = (64 << 10, 1 << 20, 4 << 20)
+QUICK_BATCHES = (1, 8, 32)
+PREFIX = "BENCH "
+GENERATION = 1
+AGENT_OPTIONS: dict[str, dict[str, bool]] = {}
+
+
+def fingerprint(block: int) -> int:
+    return block * 7919 + 1
+
+
+# --- producer process --------------------------------------------------------------------------
+
+
+def serve(kind: str) -> None:
+    """Producer: on ``layout BLOCK_BYTES NUM_BLOCKS``, register a fresh buffer and print its handshake."""
+    transport: ProducerTransport | None = None
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.02)
+        if transport is not None:
+            transport.drain_notifications()  # lease releases: drained like the encoder does
+        if not ready:
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            break
+        _, block_bytes, num_blocks = line.split()
+        if transport is not None:
+            transport.close()
+        transport = ProducerTransport(kind, name_prefix="bench-producer")
+        alloc = transport.allocator or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+        rows, n = int(block_bytes) // ROW_BYTES, int(num_blocks)
+        buffer = alloc((n, rows, FAT_DIM), torch.bfloat16)
+        buffer.view(torch.int16).view(n, -1)[:, :] = torch.arange(n, dtype=torch.int16)[:, None]
+        tags, gens = alloc((n,), torch.int64), alloc((n,), torch.int64)
+        tags.copy_(torch.tensor([fingerprint(b) for b in range(n)], dtype=torch.int64))
+        gens.fill_(GENERATION)
+        transport.register(buffer, tags, gens)
+        layout = pb2.CacheLayout(num_blocks=n, block_size=rows, fat_dim=FAT_DIM, dtype=pb2.D_TYPE_BFLOAT16,
+                                 scratch_block_id=n - 1, bytes_per_block=int(block_bytes))
+        hs = transport.fill_handshake(pb2.HandshakeResponse(incarnation_id=transport.incarnation_id,
+                                                            layout=layout))
+        sys.stdout.write(PREFIX + hs.SerializeToString().hex() + "\n")
+        sys.stdout.flush()
+    if transport is not None:
+        transport.close()
+
+
+class Producer:
+    def __init__(self, kind: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", "--transport", kind],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def layout(self, block_bytes: int, num_blocks: int, timeout_s: float = 120.0) -> pb2.HandshakeResponse:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"layout {block_bytes} {num_blocks}\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 1.0)
+            if not ready:
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("producer exited")
+            if line.startswith(PREFIX):
+                return pb2.HandshakeResponse.FromString(bytes.fromhex(line[len(PREFIX):].strip()))
+        raise TimeoutError(f"producer did not register {num_blocks} blocks of {block_bytes} bytes")
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+# --- consumer side ------------------------------------------------------------------------------
+
+
+class BareReader:
+    """The minimal NIXL client: its own agent, landing and prepped dlists; one READ, busy-polled."""
+
+    def __init__(self, kind: str, hs: pb2.HandshakeResponse, landing: torch.Tensor) -> None:
+        self.agent = create_agent(kind, f"bench-bare-{time.monotonic_ns()}", **AGENT_OPTIONS.get(kind, {}))
+        self.agent.register_memory(landing)
+        name = agent_name_of(self.agent.add_remote_agent(hs.agent_metadata))
+        buffer = RegionDesc.from_proto(hs.buffer_region, "buffer_region")
+        self.remote = self.agent.prep_xfer_dlist(name, buffer.descriptors(), "DRAM")
+        self.local = self.agent.prep_xfer_dlist(LOCAL_AGENT, RegionDesc.of_tensor(landing).descriptors(), "DRAM")
+        self.agent.make_connection(name)
+
+    def read(self, remote: np.ndarray, local: np.ndarray) -> None:
+        handle = self.agent.make_prepped_xfer("READ", self.local, local, self.remote, remote)
+        state = TransferState.parse(self.agent.transfer(handle))
+        deadline = time.monotonic() + 60
+        while state is TransferState.PROCESSING and time.monotonic() < deadline:
+            state = TransferState.parse(self.agent.check_xfer_state(handle))
+        self.agent.release_xfer_handle(handle)
+        if state is not TransferState.DONE:
+            raise RuntimeError(f"bare READ ended {state}")
+
+
+def timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_size(kind: str, producer: Producer, block_bytes: int, batches: list[int], repeats: int,
+             rng: np.random.Generator) -> list[dict[str, float | int]]:
+    max_batch = max(batches)
+    num_blocks = max_batch + 2  # random picks among max_batch + 1 usable blocks, plus scratch
+    hs = producer.layout(block_bytes, num_blocks)
+    consumer = ConsumerTransport(kind, num_landing_blocks=max_batch, name_prefix="bench-consumer")
+    peer = consumer.connect(hs)
+    landing = consumer.landing
+    bare_landing = torch.zeros_like(landing.tensor)
+    bare = BareReader(kind, hs, bare_landing)
+    expected = np.array([fingerprint(b) for b in range(num_blocks)], dtype=np.int64)
+    results: list[dict[str, float | int]] = []
+    for batch in batches:
+        local = landing.acquire(batch)
+        assert local is not None
+        src = [landing.tensor[i].data_ptr() for i in local.tolist()]
+        dst = [bare_landing[i].data_ptr() for i in local.tolist()]
+
+        def verified(remote: np.ndarray) -> None:
+            deadline = time.monotonic() + 60
+            peer.read_blocks(remote, local, deadline)
+            tags, gens = peer.read_tags(remote, deadline, notif=encode_release_notification([len(remote)]))
+            if not (np.array_equal(tags, expected[remote]) and bool((gens == GENERATION).all())):
+                raise RuntimeError(f"verification failed: tags {tags} for blocks {remote}")
+
+        def memcpy() -> None:
+            for d, s in zip(dst, src):
+                ctypes.memmove(d, s, block_bytes)
+
+        samples: dict[str, list[float]] = {"verified": [], "bare": [], "memcpy": []}
+        for i in range(repeats + 1):  # the first round warms up and is not counted
+            remote = rng.choice(num_blocks - 1, size=batch, replace=False).astype(np.int32)
+            times = {"verified": timed(lambda: verified(remote)),
+                     "bare": timed(lambda: bare.read(remote, local)),
+                     "memcpy": timed(memcpy)}
+            if i:
+                for key, seconds in times.items():
+                    samples[key].append(seconds)
+        if not torch.equal(landing.tensor[local[0]], bare_landing[local[0]]):
+            raise RuntimeError("the verified and the bare READ landed different bytes")
+        landing.release(local)
+        nbytes = batch * block_bytes
+        row: dict[str, float | int] = {"block_bytes": block_bytes, "batch": batch}
+        for key, values in samples.items():
+            row[f"{key}_gbps"] = round(nbytes / statistics.median(values) / 1e9, 3)
+        results.append(row)
+        print(f"{block_bytes >> 10:>6} KiB x {batch:>2}: verified {row['verified_gbps']:7.2f} GB/s  "
+              f"bare {row['bare_gbps']:7.2f}  memcpy {row['memcpy_gbps']:7.2f}  "
+              f"ratio {row['verified_gbps'] / row['bare_gbps']:.2f}", flush=True)
+    consumer.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--transport", default="auto", help="auto, nixl or mock")
+    parser.add_argument("--quick", action="store_true", help="three sizes up to 4 MiB, batches 1, 8, 32")
+    parser.add_argument("--block-sizes", help="comma-separated bytes per block (multiples of 4096)")
+    parser.add_argument("--batches", help="comma-separated blocks per pull")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds per point (median reported)")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    kind = resolve_transport_kind(args.transport).value
+    if args.serve:
+        serve(kind)
+        return
+    sizes = [int(s) for s in args.block_sizes.split(",")] if args.block_sizes else list(
+        QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    batches = sorted({int(b) for b in args.batches.split(",")} if args.batches else set(
+        QUICK_BATCHES if args.quick else DEFAULT_BATCHES))
+    repeats = args.repeats or (3 if args.quick else 5)
+    if any(s % ROW_BYTES or s <= 0 for s in sizes) or any(b <= 0 for b in batches):
+        parser.error(f"block sizes must be positive multiples of {ROW_BYTES} and batches positive")
+    producer = Producer(kind)
+    rng = np.random.default_rng(0)
+    started = time.monotonic()
+    results: list[dict[str, float | int]] = []
+    try:
+        for size in sizes:
+            results += run_size(kind, producer, size, batches, repeats, rng)
+    except EpdError as exc:
+        print(f"transport error: {exc}", file=sys.stderr)
+        raise
+    finally:
+        producer.close()
+    gated = [r for r in results if int(r["batch"]) >= 8 and int(r["block_bytes"]) >= 1 << 20]
+    ratios = [float(r["verified_gbps"]) / float(r["bare_gbps"]) for r in gated]
+    print(json.dumps({
+        "transport": kind,
+        "results": results,
+        "repeats": repeats,
+        "seconds": round(time.monotonic() - started, 1),
+        "target": {"rule": "verified_gbps >= 0.9 * bare_gbps for batch >= 8 and block_bytes >= 1 MiB",
+                   "worst_ratio": round(min(ratios), 3) if ratios else None,
+                   "met": bool(ratios) and min(ratios) >= 0.9},
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""What one cache allocation is, and what a valid request for one looks like (encoder process).
+
+:class:`SlotEntry` is the allocator's per-item record (slotted: there is one per
+cached item). The checks turn caller input into plain ints and raise
+``ValueError`` naming the offending value.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from encoder_server.block_pool import BlockId
+
+
+@dataclass(slots=True, eq=False)
+class SlotEntry:
+    """One allocation: in the slot map while present, alive until its last lease ends."""
+
+    mm_hash: str
+    block_ids: list[BlockId]
+    tokens_per_block: list[int]
+    num_tokens: int
+    generation: int
+    write_time: float | None = None
+    last_acquire: float | None = None
+    pins: int = 0
+    doomed: bool = False  # freed while pinned: blocks go when the last lease ends
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOccupancy:
+    """One consistent snapshot of the occupancy gauges."""
+
+    active_blocks: int
+    free_blocks: int
+    held_blocks: int
+    active_real_tokens: int
+    pinned_items: int
+    items: int
+
+
+def check_tokens_per_block(tokens_per_block: Sequence[int], usable: int, block_size: int) -> list[int]:
+    """Validated per-block real-token counts of one item, as a new list of ints."""
+    counts = list(tokens_per_block)
+    for value in counts:
+        if type(value) is not int:  # slow path: numpy ints, or bad values
+            counts = [_as_int(v, f"tokens_per_block[{i}]") for i, v in enumerate(counts)]
+            break
+    if not counts:
+        raise ValueError("tokens_per_block is empty: an item needs at least one block")
+    if len(counts) > usable:
+        raise ValueError(
+            f"tokens_per_block names {len(counts)} blocks, more than the cache's "
+            f"{usable} usable blocks"
+        )
+    if min(counts) < 1 or max(counts) > block_size:
+        i, bad = next((i, c) for i, c in enumerate(counts) if not 1 <= c <= block_size)
+        raise ValueError(f"tokens_per_block[{i}] = {bad} is outside 1..{block_size}")
+    return counts
+
+
+def check_block_count(value: int, name: str, usable: int) -> int:
+    """A block count in ``0..usable``."""
+    count = _as_int(value, name)
+    if count < 0 or count > usable:
+        raise ValueError(f"{name} = {count} is outside 0..{usable} (usable blocks)")
+    return count
+
+
+def _as_int(value: object, name: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None

@@ -1,0 +1,490 @@
+"""Encode orchestration for the encoder process: hash, cache, coalesce, batch, write.
+
+The engine sits between the gRPC servicer and the three pieces that do the
+work: the block allocator (:class:`EncoderCacheBlocks`), the preprocessor and
+the aliased encoder runner. Per item it follows the layer table of the design:
+
+* every item is a **layer-3 query**; an item that is not in the device cache
+  and not already being encoded by another request is a **miss** and is
+  encoded exactly once (concurrent requests for it wait on the same future);
+* only items that must be encoded need pixels: they go through the
+  **layer-1** input cache (pixel tensors by content hash) and are decoded on a
+  miss there;
+* admission counts whole blocks; when the cache cannot take the request even
+  after evicting every unpinned item, the request fails at once with
+  :class:`CacheFullError` and a retry hint, the encoder thread never stalls;
+* misses from concurrent requests queue for one encoder thread, which takes
+  as many as fit the largest bucket into one graph run.
+
+The ``mm_hash`` is computed here from the content, the preprocessing
+parameters and the model id, so a client can never name content it did not
+send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from common import media
+from common.errors import CacheFullError, EpdError, InvalidMediaError, NotFoundError
+from common.fingerprint import mm_hash_fingerprint
+from common.metrics import EncoderMetrics
+from encoder_server.cache_blocks import EncoderCacheBlocks, Lease
+from encoder_server.preprocess import Preprocessor, ProcessedItem
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """What the engine needs from the aliased encoder graph."""
+
+    max_batch_tokens: int
+
+    def write(
+        self,
+        items: Sequence[ProcessedItem],
+        block_ids: Sequence[Sequence[int]],
+        tokens_per_block: Sequence[Sequence[int]],
+        buffer: torch.Tensor,
+        scratch_block_id: int,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MediaInput:
+    """One item of an Encode request, as bytes (never decoded yet)."""
+
+    kind: str  # "image" | "video"
+    frames: tuple[bytes, ...]  # one entry for an image
+    fps: float | None = None
+    label: str = ""
+
+    def content_hash(self) -> str:
+        return media.content_hash(self.kind, self.frames, self.fps)
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """An item's location in the cache plus the lease that pins it."""
+
+    mm_hash: str
+    block_ids: tuple[int, ...]
+    tokens_per_block: tuple[int, ...]
+    num_tokens: int
+    fingerprint: int
+    generation: int
+    lease: Lease
+    hit: bool
+    grid_thw: tuple[int, ...] = ()
+
+
+def default_tokens_per_block(num_tokens: int, block_size: int) -> list[int]:
+    """Full blocks, then one partial block for the remainder."""
+    full, rest = divmod(num_tokens, block_size)
+    return [block_size] * full + ([rest] if rest else [])
+
+
+@dataclass(slots=True)
+class _Waiter:
+    """A request waiting for an item's encoder run; gets its lease the moment the item is written."""
+
+    consumer_id: str
+    flight: _Flight
+    lease: Lease | None = None
+    cancelled: bool = False
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One scheduled encoder run of one item, and every request waiting for it."""
+
+    future: asyncio.Future[None]
+    waiters: list[_Waiter] = field(default_factory=list)
+    owner: _Waiter | None = None  # the request whose miss scheduled the run
+
+    def join(self, consumer_id: str, owner: bool = False) -> _Waiter:
+        waiter = _Waiter(consumer_id, self)
+        self.waiters.append(waiter)
+        if owner:
+            self.owner = waiter
+        return waiter
+
+
+@dataclass(slots=True)
+class _Job:
+    mm_hash: str
+    item: ProcessedItem
+    block_ids: list[int]
+    tokens_per_block: list[int]
+    flight: _Flight
+
+
+class _InputCache:
+    """Layer 1: preprocessed pixels by content hash, LRU, bounded in bytes."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._items: collections.OrderedDict[str, ProcessedItem] = collections.OrderedDict()
+        self._bytes = 0
+
+    @staticmethod
+    def _size(item: ProcessedItem) -> int:
+        return item.pixel_values.numel() * item.pixel_values.element_size()
+
+    def get(self, key: str) -> ProcessedItem | None:
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+        return item
+
+    def put(self, key: str, item: ProcessedItem) -> None:
+        size = self._size(item)
+        if size > self.capacity_bytes or key in self._items:
+            return
+        self._items[key] = item
+        self._bytes += size
+        while self._bytes > self.capacity_bytes:
+            _, old = self._items.popitem(last=False)
+            self._bytes -= self._size(old)
+
+
+@dataclass
+class EngineStats:
+    encoder_runs: int = 0
+    items_encoded: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class EncoderEngine:
+    """Turns Encode/Lookup/Release into cache and encoder operations."""
+
+    def __init__(
+        self,
+        *,
+        cache: EncoderCacheBlocks,
+        preprocessor: Preprocessor,
+        runner: Runner,
+        metrics: EncoderMetrics,
+        model_id: str,
+        preprocess_fingerprint: str,
+        input_cache_bytes: int = 256 << 20,
+        preprocess_workers: int = 2,
+    ) -> None:
+        self.cache = cache
+        self.preprocessor = preprocessor
+        self.runner = runner
+        self.metrics = metrics
+        self.model_id = model_id
+        self.preprocess_fingerprint = preprocess_fingerprint
+        self._inputs = _InputCache(input_cache_bytes)
+        self._preprocess_pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="epd-preprocess")
+        # One thread owns the encoder graph: runs are serialized, batches form while it is busy.
+        self._encoder_pool = ThreadPoolExecutor(1, thread_name_prefix="epd-encoder")
+        self._inflight: dict[str, _Flight] = {}
+        # grid_thw of each cached item, for the response; pruned in housekeeping().
+        self._grids: dict[str, tuple[int, ...]] = {}
+        self._queue: asyncio.Queue[_Job] | None = None
+        self._batcher: asyncio.Task[None] | None = None
+        self._admit_lock: asyncio.Lock | None = None
+        self.stats = EngineStats()
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._queue = asyncio.Queue()
+        self._admit_lock = asyncio.Lock()
+        self._batcher = asyncio.create_task(self._batch_loop(), name="epd-batcher")
+        self.update_gauges()
+
+    async def stop(self) -> None:
+        if self._batcher is not None:
+            self._batcher.cancel()
+            try:
+                await self._batcher
+            except asyncio.CancelledError:
+                pass
+        for flight in self._inflight.values():
+            if not flight.future.done():
+                flight.future.set_exception(EpdError("encoder shutting down"))
+        self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
+        self._encoder_pool.shutdown(wait=True)
+
+    # --- hashing -----------------------------------------------------------------------
+
+    def mm_hash(self, content_hash: str) -> str:
+        return media.mm_hash(self.model_id, self.preprocess_fingerprint, content_hash)
+
+    # --- public operations ---------------------------------------------------------------
+
+    async def encode(
+        self, items: Sequence[MediaInput], consumer_id: str, timeout: float | None = None
+    ) -> list[Located | EpdError]:
+        """Encode or find every item; per-item errors are returned, not raised.
+
+        Each distinct item of the request gets one lease (an item named twice
+        shares it). Raises :class:`CacheFullError` when the misses cannot be
+        admitted even after eviction, and ``asyncio.TimeoutError`` when the
+        encoder runs do not finish within ``timeout`` (leases taken so far are
+        given back; the runs still complete and their items stay cached).
+        """
+        assert self._admit_lock is not None, "engine not started"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        loop = asyncio.get_running_loop()
+        content = await loop.run_in_executor(
+            self._preprocess_pool, lambda: [item.content_hash() for item in items])
+        hashes = [self.mm_hash(c) for c in content]
+
+        leases: dict[str, Lease] = {}
+        waiters: dict[str, _Waiter] = {}
+        errors: dict[str, EpdError] = {}
+        misses: dict[str, int] = {}  # mm_hash -> index of the first item carrying it
+        for i, h in enumerate(hashes):
+            self.metrics.device_queries.inc()  # every item is a layer-3 query
+            if h in leases or h in waiters or h in misses:
+                continue
+            flight = self._inflight.get(h)
+            if flight is not None:  # coalesce with the run already scheduled for it
+                waiters[h] = flight.join(consumer_id)
+                continue
+            # Pin a hit before anything below may evict to make room for misses.
+            lease = self.cache.acquire(h, owner=consumer_id)
+            if lease is not None:
+                leases[h] = lease
+            else:
+                misses[h] = i
+
+        try:
+            processed = await self._preprocess(items, content, misses, hashes, errors)
+            if processed:
+                async with self._admit_lock:
+                    jobs = self._admit(processed, consumer_id, waiters)
+                self.metrics.device_misses.inc(len(jobs))
+                for job in jobs:
+                    await self._queue_put(job)
+            for h, waiter in waiters.items():
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    await asyncio.wait_for(asyncio.shield(waiter.flight.future), remaining)
+                except EpdError as exc:
+                    errors[h] = exc
+                    continue
+                if waiter.lease is None:
+                    errors[h] = NotFoundError(f"mm_hash {h} was evicted before it could be leased")
+                else:
+                    leases[h] = waiter.lease
+        except BaseException:
+            self._abandon(leases, waiters)
+            raise
+
+        fresh = {h for h, w in waiters.items() if w.flight.owner is w}
+        out: list[Located | EpdError] = []
+        for h in hashes:
+            if h in errors:
+                out.append(errors[h])
+            else:
+                out.append(self._located(h, leases[h], hit=h not in fresh))
+        self.update_gauges()
+        return out
+
+    def _abandon(self, leases: dict[str, Lease], waiters: dict[str, _Waiter]) -> None:
+        """Give back what a failed request holds: its leases, and its place in pending runs."""
+        for waiter in waiters.values():
+            waiter.cancelled = True
+            if waiter.lease is not None:
+                self.cache.release(waiter.lease.lease_id)
+        for lease in leases.values():
+            self.cache.release(lease.lease_id)
+
+    def lookup(self, mm_hashes: Sequence[str], consumer_id: str) -> list[Located | EpdError]:
+        out: list[Located | EpdError] = []
+        for h in mm_hashes:
+            lease = self.cache.acquire(h, owner=consumer_id)
+            if lease is None:
+                out.append(NotFoundError(f"mm_hash {h} is not in the encoder cache"))
+            else:
+                out.append(self._located(h, lease, hit=True))
+        return out
+
+    def release(self, lease_ids: Sequence[int], consumer_id: str | None) -> int:
+        released = sum(1 for lease_id in lease_ids if self.cache.release(lease_id, owner=consumer_id))
+        self.update_gauges()
+        return released
+
+    def housekeeping(self) -> None:
+        """Reap expired leases, move held blocks past their hold to free, refresh gauges."""
+        expired = self.cache.reap_expired_leases()
+        if expired:
+            self.metrics.leases_expired.inc(expired)
+        self.cache.reclaim_held()
+        for h in [h for h in self._grids if not self.cache.contains(h)]:
+            del self._grids[h]
+        self.update_gauges()
+
+    def update_gauges(self) -> None:
+        occ = self.cache.occupancy()  # one consistent snapshot
+        self.metrics.set_occupancy(occ.active_blocks, occ.free_blocks, occ.held_blocks, occ.active_real_tokens)
+        self.metrics.leases_active.set(self.cache.lease_stats.active)
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _located(self, mm_hash: str, lease: Lease, *, hit: bool) -> Located:
+        c = self.cache  # the lease pins the item: these reads are stable
+        return Located(
+            mm_hash=mm_hash,
+            block_ids=tuple(c.get_block_ids(mm_hash)),
+            tokens_per_block=tuple(c.get_tokens_per_block(mm_hash)),
+            num_tokens=c.get_num_tokens(mm_hash),
+            fingerprint=mm_hash_fingerprint(mm_hash),
+            generation=c.get_generation(mm_hash),
+            lease=lease,
+            hit=hit,
+            grid_thw=self._grids.get(mm_hash, ()),
+        )
+
+    async def _preprocess(
+        self,
+        items: Sequence[MediaInput],
+        content: Sequence[str],
+        misses: dict[str, int],
+        hashes: Sequence[str],
+        errors: dict[str, EpdError],
+    ) -> dict[str, ProcessedItem]:
+        """Pixels for every miss, through the layer-1 cache; bad media become per-item errors."""
+        loop = asyncio.get_running_loop()
+        processed: dict[str, ProcessedItem] = {}
+        pending: dict[str, asyncio.Future[ProcessedItem]] = {}
+        for h, i in misses.items():
+            self.metrics.mm_cache_queries.inc()
+            cached = self._inputs.get(content[i])
+            if cached is not None:
+                self.metrics.mm_cache_hits.inc()
+                processed[h] = cached
+            else:
+                pending[h] = loop.run_in_executor(self._preprocess_pool, self._decode, items[i], i)
+        for h, fut in pending.items():
+            i = misses[h]
+            try:
+                item = await fut
+            except InvalidMediaError as exc:
+                errors[h] = exc
+                continue
+            self._inputs.put(content[i], item)
+            processed[h] = item
+        return processed
+
+    def _decode(self, source: MediaInput, index: int) -> ProcessedItem:
+        label = f"item {index}" + (f" ({source.label})" if source.label else "")
+        if source.kind == "image":
+            return self.preprocessor.image(source.frames[0], item=label)
+        return self.preprocessor.video(source.frames, fps=source.fps, item=label)
+
+    def _admit(
+        self, processed: dict[str, ProcessedItem], consumer_id: str, waiters: dict[str, _Waiter]
+    ) -> list[_Job]:
+        """Allocate blocks for every miss, all or nothing; runs under the admission lock."""
+        layout = self.cache.layout
+        todo: dict[str, ProcessedItem] = {}
+        for h, item in processed.items():
+            flight = self._inflight.get(h)
+            if flight is not None:  # another request admitted it while we decoded
+                waiters[h] = flight.join(consumer_id)
+            else:
+                todo[h] = item
+        if not todo:
+            return []
+        plans = {h: default_tokens_per_block(item.num_tokens, layout.block_size) for h, item in todo.items()}
+        counts = [len(p) for p in plans.values()]
+        if not self.cache.can_admit(counts):
+            raise CacheFullError(
+                f"cache cannot take {sum(counts)} blocks: {self.cache.num_pinned_items} items are "
+                f"pinned by leases and {layout.num_usable_blocks} blocks exist",
+                retry_after_ms=self._retry_hint_ms())
+        _, evicted_blocks = self.cache.evict_lru_counted(sum(counts))
+        if evicted_blocks:
+            self.metrics.device_evictions.inc(evicted_blocks)
+        loop = asyncio.get_running_loop()
+        jobs: list[_Job] = []
+        for h, item in todo.items():
+            block_ids = self.cache.allocate(h, plans[h])
+            if block_ids is None:
+                for job in jobs:  # never written, never handed out: straight back to free
+                    self.cache.free(job.mm_hash)
+                    del self._inflight[job.mm_hash]
+                    waiters.pop(job.mm_hash, None)
+                raise CacheFullError(
+                    f"freed blocks are still inside the {self.cache.min_hold_time_ms} ms hold",
+                    retry_after_ms=self._retry_hint_ms())
+            flight = _Flight(loop.create_future())
+            waiters[h] = flight.join(consumer_id, owner=True)
+            self._inflight[h] = flight
+            self._grids[h] = tuple(item.grid_thw)
+            jobs.append(_Job(h, item, block_ids, plans[h], flight))
+        return jobs
+
+    def _retry_hint_ms(self) -> int:
+        hint = self.cache.next_reusable_in_ms()
+        return max(1, hint if hint is not None else max(self.cache.min_hold_time_ms, 50))
+
+    async def _queue_put(self, job: _Job) -> None:
+        assert self._queue is not None
+        await self._queue.put(job)
+
+    async def _batch_loop(self) -> None:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        budget = self.runner.max_batch_tokens
+        while True:
+            batch = [await self._queue.get()]
+            tokens = batch[0].item.num_tokens
+            while not self._queue.empty():
+                nxt = self._queue._queue[0]  # peek: stop before the batch overflows the bucket
+                if tokens + nxt.item.num_tokens > budget:
+                    break
+                batch.append(self._queue.get_nowait())
+                tokens += nxt.item.num_tokens
+            await self._run_batch(loop, batch)
+
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:
+        cache = self.cache
+        started = time.perf_counter()
+        try:
+            await loop.run_in_executor(
+                self._encoder_pool,
+                self.runner.write,
+                [j.item for j in batch],
+                [j.block_ids for j in batch],
+                [j.tokens_per_block for j in batch],
+                cache.buffer,
+                cache.layout.scratch_block_id,
+            )
+        except Exception as exc:  # the graph failed: nothing of this batch is servable
+            logger.exception("encoder run failed for %d items", len(batch))
+            for job in batch:
+                cache.free(job.mm_hash)
+                self._inflight.pop(job.mm_hash, None)
+                if not job.flight.future.done():
+                    job.flight.future.set_exception(EpdError(f"encoder run failed: {exc}"))
+            return
+        self.metrics.encode_latency.observe(time.perf_counter() - started)
+        self.stats.encoder_runs += 1
+        self.stats.items_encoded += len(batch)
+        self.stats.batch_sizes.append(len(batch))
+        for job in batch:
+            cache.mark_written(job.mm_hash)
+            self._inflight.pop(job.mm_hash, None)
+            # Lease for every live waiter now, before any other request can evict the item.
+            for waiter in job.flight.waiters:
+                if not waiter.cancelled:
+                    waiter.lease = cache.acquire(job.mm_hash, owner=waiter.consumer_id)
+            if not job.flight.future.done():
+                job.flight.future.set_result(None)
+        self.update_gauges()

@@ -1,0 +1,264 @@
+"""gRPC servicer of the encoder process: validation, proto conversion, status mapping.
+
+Every handler maps our errors to their gRPC status with one
+``context.abort(err.grpc_code, str(err))``; anything unexpected is logged and
+answered ``INTERNAL`` (never ``UNKNOWN``). Work that can block (hashing,
+decoding, the encoder graph, NIXL) runs off the event loop inside the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from common.errors import (
+    EpdError,
+    HandshakeError,
+    InvalidRequestError,
+    LimitExceededError,
+    ServiceDraining,
+    StaleIncarnationError,
+)
+from common.layout import CacheLayout, dtype_name
+from common.media import PreprocessParams
+from common.metrics import EncoderMetrics
+from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc
+from encoder_server.engine import EncoderEngine, Located, MediaInput
+
+logger = logging.getLogger(__name__)
+
+MAX_LABEL_CHARS = 256
+MAX_LOOKUPS_PER_REQUEST = 1024
+MAX_RELEASES_PER_REQUEST = 4096
+_MM_HASH = re.compile(r"^[0-9a-f]{32}$")
+
+DTYPE_TO_PROTO = {
+    "bfloat16": pb2.D_TYPE_BFLOAT16,
+    "float16": pb2.D_TYPE_FLOAT16,
+    "float32": pb2.D_TYPE_FLOAT32,
+}
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def layout_to_proto(layout: CacheLayout) -> pb2.CacheLayout:
+    return pb2.CacheLayout(
+        num_blocks=layout.num_blocks,
+        block_size=layout.block_size,
+        fat_dim=layout.fat_dim,
+        dtype=DTYPE_TO_PROTO[dtype_name(layout.dtype)],
+        scratch_block_id=layout.scratch_block_id,
+        bytes_per_block=layout.bytes_per_block,
+        out_hidden_size=layout.out_hidden_size,
+        num_deepstack_levels=layout.num_deepstack_levels,
+    )
+
+
+def params_to_proto(params: PreprocessParams, fingerprint: str) -> pb2.PreprocessParams:
+    return pb2.PreprocessParams(
+        patch_size=params.patch_size, merge_size=params.merge_size,
+        temporal_patch_size=params.temporal_patch_size, min_pixels=params.min_pixels,
+        max_pixels=params.max_pixels, fingerprint=fingerprint,
+        video_min_pixels=params.video_min_pixels or 0, video_max_pixels=params.video_max_pixels or 0,
+        video_sample_fps=params.video_sample_fps or 0.0)
+
+
+def _rpc(method: str) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[..., Awaitable[Resp]]]:
+    """Count the call and turn errors into statuses."""
+
+    def wrap(fn: Callable[..., Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
+        @functools.wraps(fn)
+        async def handler(self: EncoderCacheServicer, request: Any, context: grpc.aio.ServicerContext) -> Resp:
+            code = grpc.StatusCode.OK
+            try:
+                return await fn(self, request, context)
+            except EpdError as err:
+                code = err.grpc_code
+                await context.abort(code, str(err))
+            except asyncio.TimeoutError:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
+                await context.abort(code, f"{method} did not finish within the call's deadline")
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception:
+                code = grpc.StatusCode.INTERNAL
+                logger.exception("%s failed", method)
+                await context.abort(code, f"{method} failed inside the encoder; see its log")
+            finally:
+                self.metrics.requests.labels(method=method, code=code.name).inc()
+            raise AssertionError("unreachable")  # context.abort always raises
+
+        return handler
+
+    return wrap
+
+
+class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
+    """Handshake / Encode / Lookup / Release over an :class:`EncoderEngine`."""
+
+    def __init__(
+        self,
+        *,
+        engine: EncoderEngine,
+        metrics: EncoderMetrics,
+        model_id: str,
+        layout: CacheLayout,
+        incarnation_id: str,
+        handshake_extra: Callable[[], pb2.HandshakeResponse],
+        min_hold_ms: int,
+        lease_ttl_ms: int,
+        max_items: int,
+        max_video_frames: int,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.model_id = model_id
+        self.layout = layout
+        self.incarnation_id = incarnation_id
+        self._handshake_extra = handshake_extra
+        self.min_hold_ms = min_hold_ms
+        self.lease_ttl_ms = lease_ttl_ms
+        self.max_items = max_items
+        self.max_video_frames = max_video_frames
+        self.compatibility_hash = layout.compatibility_hash(model_id, PROTOCOL_VERSION)
+        self.draining = False
+
+    # --- checks ----------------------------------------------------------------------
+
+    def _check_model(self, model_id: str) -> None:
+        if model_id != self.model_id:
+            raise HandshakeError(
+                f"model_id mismatch: this encoder serves {self.model_id!r}, request names {model_id!r}")
+
+    def _check_incarnation(self, incarnation_id: str) -> None:
+        if incarnation_id and incarnation_id != self.incarnation_id:
+            raise StaleIncarnationError(
+                f"encoder incarnation changed: request names {incarnation_id!r}, "
+                f"this encoder is {self.incarnation_id!r}; handshake again")
+
+    def _check_layout(self, expected: pb2.CacheLayout) -> None:
+        ours = layout_to_proto(self.layout)
+        for name in ("block_size", "fat_dim", "dtype", "out_hidden_size", "num_deepstack_levels"):
+            want = getattr(expected, name)
+            have = getattr(ours, name)
+            if want and want != have:
+                raise HandshakeError(f"layout mismatch on {name}: encoder has {have}, consumer expects {want}")
+
+    @staticmethod
+    def _check_label(kind: str, value: str) -> None:
+        if len(value) > MAX_LABEL_CHARS:
+            raise InvalidRequestError(f"{kind} is {len(value)} characters; at most {MAX_LABEL_CHARS}")
+
+    # --- handlers --------------------------------------------------------------------
+
+    @_rpc("Handshake")
+    async def Handshake(self, request: pb2.HandshakeRequest, context: grpc.aio.ServicerContext
+                        ) -> pb2.HandshakeResponse:
+        if request.protocol_version != PROTOCOL_VERSION:
+            raise HandshakeError(
+                f"protocol version mismatch: encoder speaks {PROTOCOL_VERSION}, "
+                f"consumer sent {request.protocol_version}")
+        self._check_model(request.model_id)
+        self._check_label("consumer_id", request.consumer_id)
+        if request.HasField("expected_layout"):
+            self._check_layout(request.expected_layout)
+        response = self._handshake_extra()
+        response.protocol_version = PROTOCOL_VERSION
+        response.model_id = self.model_id
+        response.incarnation_id = self.incarnation_id
+        response.layout.CopyFrom(layout_to_proto(self.layout))
+        response.min_hold_ms = self.min_hold_ms
+        response.lease_ttl_ms = self.lease_ttl_ms
+        response.compatibility_hash = self.compatibility_hash
+        logger.info("handshake from consumer %r", request.consumer_id)
+        return response
+
+    @_rpc("Encode")
+    async def Encode(self, request: pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> pb2.EncodeResponse:
+        self._check_model(request.model_id)
+        self._check_incarnation(request.incarnation_id)
+        self._check_label("consumer_id", request.consumer_id)
+        self._refuse_if_draining()
+        if not request.items:
+            raise InvalidRequestError("Encode needs at least one item")
+        if len(request.items) > self.max_items:
+            raise LimitExceededError(
+                f"request has {len(request.items)} items; this encoder accepts at most {self.max_items}")
+        media = [self._media(i, item) for i, item in enumerate(request.items)]
+        results = await self.engine.encode(media, request.consumer_id, timeout=context.time_remaining())
+        return pb2.EncodeResponse(
+            results=[self._result(item.uuid, r) for item, r in zip(request.items, results)],
+            incarnation_id=self.incarnation_id)
+
+    @_rpc("Lookup")
+    async def Lookup(self, request: pb2.LookupRequest, context: grpc.aio.ServicerContext) -> pb2.LookupResponse:
+        self._check_model(request.model_id)
+        self._check_incarnation(request.incarnation_id)
+        self._check_label("consumer_id", request.consumer_id)
+        self._refuse_if_draining()
+        if len(request.mm_hashes) > MAX_LOOKUPS_PER_REQUEST:
+            raise LimitExceededError(
+                f"request looks up {len(request.mm_hashes)} items; at most {MAX_LOOKUPS_PER_REQUEST}")
+        for h in request.mm_hashes:
+            if not _MM_HASH.match(h):
+                raise InvalidRequestError(f"mm_hash {h[:80]!r} is not 32 lowercase hex digits")
+        results = self.engine.lookup(list(request.mm_hashes), request.consumer_id)
+        return pb2.LookupResponse(
+            results=[self._result("", r) for r in results], incarnation_id=self.incarnation_id)
+
+    @_rpc("Release")
+    async def Release(self, request: pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb2.ReleaseResponse:
+        self._check_label("consumer_id", request.consumer_id)
+        if len(request.lease_ids) > MAX_RELEASES_PER_REQUEST:
+            raise LimitExceededError(
+                f"request releases {len(request.lease_ids)} leases; at most {MAX_RELEASES_PER_REQUEST}")
+        released = self.engine.release(list(request.lease_ids), request.consumer_id)
+        return pb2.ReleaseResponse(released=released)
+
+    # --- conversion ------------------------------------------------------------------
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise ServiceDraining("encoder is draining for shutdown; use another encoder")
+
+    def _media(self, index: int, item: pb2.MediaItem) -> MediaInput:
+        self._check_label(f"item {index} uuid", item.uuid)
+        kind = item.WhichOneof("media")
+        if kind == "image":
+            return MediaInput("image", (item.image,), None, item.uuid)
+        if kind == "video":
+            fps = item.video.fps if item.video.fps > 0 else None
+            return MediaInput("video", tuple(item.video.frames), fps, item.uuid)
+        raise InvalidRequestError(f"item {index} carries neither an image nor a video")
+
+    @staticmethod
+    def _result(uuid: str, result: Located | EpdError) -> pb2.ItemResult:
+        if isinstance(result, EpdError):
+            return pb2.ItemResult(
+                uuid=uuid, error=pb2.ItemError(code=result.grpc_code.value[0], message=str(result)))
+        lease = result.lease
+        expiry_unix_ms = int((time.time() + (lease.expires_at - time.monotonic())) * 1000)
+        return pb2.ItemResult(
+            uuid=uuid,
+            location=pb2.ItemLocation(
+                mm_hash=result.mm_hash,
+                block_ids=result.block_ids,
+                tokens_per_block=result.tokens_per_block,
+                num_tokens=result.num_tokens,
+                fingerprint=result.fingerprint,
+                generation=result.generation,
+                lease_id=lease.lease_id,
+                lease_expiry_unix_ms=max(0, expiry_unix_ms),
+                result=pb2.CACHE_RESULT_HIT if result.hit else pb2.CACHE_RESULT_MISS,
+                grid_thw=result.grid_thw,
+            ),
+        )

@@ -1,0 +1,187 @@
+"""Graph backends for the aliased encoder write: eager, torch.compile, Neuron (encoder process).
+
+The graph is :func:`aliased_write`: it takes the pixel inputs, the packing
+metadata, the cache buffer and the destination row of every output row,
+runs the tower, ``index_copy_``s the rows into the buffer and returns the
+buffer. The buffer is an input-output alias: the graph writes its storage in
+place (Inductor emits the ``index_copy`` as a store into the argument; no copy
+of the buffer, no device-to-host transfer).
+
+* ``eager``: PyTorch eager, any device.
+* ``compile``: ``torch.compile(dynamic=False, fullgraph=True)``, one graph per
+  bucket shape (CPU and CUDA). Exact-size launches run eagerly so an oversize
+  frame never triggers a recompile.
+* ``neuron``: ``torch_neuronx.trace`` per bucket shape with the buffer declared
+  as an aliased state tensor. Imported lazily; without ``torch-neuronx`` it
+  fails at construction with a message saying what to install.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from common.errors import ConfigError
+from encoder_server.vision.model import VisionEncoder
+from encoder_server.vision.packing import BucketShape
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("eager", "compile", "neuron", "auto")
+
+# What "auto" picks on a CPU. Measured with bench/encoder.py on the development
+# host (tiny tower, 2 cores): the compiled graph was faster in every bucket.
+CPU_AUTO_BACKEND = "compile"
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchInputs:
+    """The static-shape inputs of one launch (all on the encoder's device)."""
+
+    pixels: torch.Tensor  # [n, L, patch_dim] encoder dtype; padding rows are zeros
+    interp_index: torch.Tensor  # [n, L, 4] int64
+    interp_weight: torch.Tensor  # [n, L, 4] float32
+    positions: torch.Tensor  # [n, L, 2] int64 (row, col)
+    segments: torch.Tensor  # [n, L] int32; one id per frame, -1 on padding
+    dest: torch.Tensor  # [n * L / merge**2] int64 flat buffer rows; padding -> scratch block
+
+
+def aliased_write(
+    encoder: VisionEncoder,
+    pixels: torch.Tensor,
+    interp_index: torch.Tensor,
+    interp_weight: torch.Tensor,
+    positions: torch.Tensor,
+    segments: torch.Tensor,
+    dest: torch.Tensor,
+    buffer: torch.Tensor,
+) -> torch.Tensor:
+    """Encode one launch and scatter its rows into ``buffer`` in place; returns ``buffer``."""
+    # A patch attends to the patches of its own frame only. Padding rows share id -1:
+    # they attend to each other (never an empty softmax row) and never to real rows.
+    mask = (segments.unsqueeze(-1) == segments.unsqueeze(-2)).unsqueeze(1)
+    rows = encoder.forward_blocks(pixels, interp_index, interp_weight, positions, mask)
+    buffer.view(-1, buffer.shape[-1]).index_copy_(0, dest, rows.to(buffer.dtype))
+    return buffer
+
+
+class GraphBackend(Protocol):
+    name: str
+
+    def run(self, shape: BucketShape, exact: bool, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+def _call(fn: Any, encoder: VisionEncoder, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = fn(encoder, inputs.pixels, inputs.interp_index, inputs.interp_weight,
+                           inputs.positions, inputs.segments, inputs.dest, buffer)
+    return out
+
+
+class EagerBackend:
+    name = "eager"
+
+    def __init__(self, encoder: VisionEncoder) -> None:
+        self._encoder = encoder
+
+    def run(self, shape: BucketShape, exact: bool, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return _call(aliased_write, self._encoder, inputs, buffer)
+
+
+class CompileBackend:
+    name = "compile"
+
+    def __init__(self, encoder: VisionEncoder, num_shapes: int) -> None:
+        self._encoder = encoder
+        # One compiled graph per bucket shape; make room for all of them so the
+        # last buckets are not silently demoted to eager by the recompile limit.
+        dynamo_config: Any = torch._dynamo.config
+        limit_name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+        if getattr(dynamo_config, limit_name) < num_shapes + 1:
+            setattr(dynamo_config, limit_name, num_shapes + 1)
+        self._compiled = torch.compile(aliased_write, dynamic=False, fullgraph=True)
+
+    def run(self, shape: BucketShape, exact: bool, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return _call(aliased_write if exact else self._compiled, self._encoder, inputs, buffer)
+
+
+class _NeuronWrite(nn.Module):
+    """The tower plus the cache as a state tensor, the form ``torch_neuronx.trace`` aliases."""
+
+    def __init__(self, encoder: VisionEncoder, buffer: torch.Tensor) -> None:
+        super().__init__()
+        self.encoder = encoder
+        # Shares the buffer's storage; traced with input_output_aliases so the
+        # compiled graph updates it in device memory instead of returning a copy.
+        self.cache = nn.Parameter(buffer, requires_grad=False)
+
+    def forward(self, pixels: torch.Tensor, interp_index: torch.Tensor, interp_weight: torch.Tensor,
+                positions: torch.Tensor, segments: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+        mask = (segments.unsqueeze(-1) == segments.unsqueeze(-2)).unsqueeze(1)
+        rows = self.encoder.forward_blocks(pixels, interp_index, interp_weight, positions, mask)
+        flat = self.cache.view(-1, self.cache.shape[-1])
+        return flat.index_copy(0, dest, rows.to(flat.dtype)).view_as(self.cache)
+
+
+class NeuronBackend:
+    """AWS Neuron: one traced graph per (bucket shape, buffer), buffer aliased in and out.
+
+    Needs a Neuron host with ``torch-neuronx``; the traced graph owns the cache as
+    device-resident state, so the buffer must already live on the Neuron device.
+    """
+
+    name = "neuron"
+
+    def __init__(self, encoder: VisionEncoder) -> None:
+        try:
+            import torch_neuronx  # type: ignore[import-not-found]
+        except ImportError as exc:
+            raise ConfigError(
+                "encoder backend 'neuron' needs the torch-neuronx package, which is not installed: "
+                "install torch-neuronx from the AWS Neuron package repository on a Trainium/Inferentia "
+                "host, or choose backend 'eager' or 'compile'"
+            ) from exc
+        self._neuronx: Any = torch_neuronx
+        self._encoder = encoder
+        self._graphs: dict[tuple[BucketShape, int], Any] = {}
+
+    def run(self, shape: BucketShape, exact: bool, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
+        key = (shape, buffer.data_ptr())
+        graph = self._graphs.get(key)
+        example = (inputs.pixels, inputs.interp_index, inputs.interp_weight, inputs.positions,
+                   inputs.segments, inputs.dest)
+        if graph is None:
+            module = _NeuronWrite(self._encoder, buffer)
+            logger.info("tracing the encoder for Neuron at bucket %s", shape)
+            graph = self._neuronx.trace(module, example, input_output_aliases={module.cache: 0})
+            self._graphs[key] = graph
+        graph(*example)
+        return buffer
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The concrete backend for ``name`` on ``device`` (``auto`` decides here)."""
+    if name not in BACKENDS:
+        raise ConfigError(f"encoder backend {name!r} is not one of {BACKENDS}")
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "compile"
+    if device.type in ("xla", "neuron"):
+        return "neuron"
+    return CPU_AUTO_BACKEND
+
+
+def make_backend(name: str, encoder: VisionEncoder, num_shapes: int) -> GraphBackend:
+    resolved = resolve_backend(name, encoder.device)
+    if resolved == "eager":
+        return EagerBackend(encoder)
+    if resolved == "compile":
+        return CompileBackend(encoder, num_shapes)
+    return NeuronBackend(encoder)

@@ -1,0 +1,259 @@
+"""The cached, static-shape encoder path: pack, launch, write into the cache (encoder process).
+
+:class:`EncoderRunner` takes preprocessed items and the cache blocks allocated
+for them, packs their frames into bucket-shaped launches (see :mod:`.packing`),
+builds each launch's metadata on the host and runs the aliased-write graph
+(see :mod:`.backends`), which scatters every output row straight into
+``buffer[block, row]``. Padding rows land in the scratch block. The buffer is
+never replaced: ``write`` returns the very object it was given.
+
+Buckets are in **merged tokens** (cache rows); ``max_batch_tokens`` is the
+largest bucket. A batch of several items must fit in it (the caller splits
+with :meth:`EncoderRunner.plan_batches`). A single item may be larger: its
+frames are spread over several launches, and a frame larger than the
+attention block runs in an exact-size launch (eager on every backend but
+Neuron) so it never forces a recompile.
+
+Not thread-safe: one encoder thread drives a runner.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from common.errors import ConfigError
+from encoder_server.preprocess import ProcessedItem
+from encoder_server.vision.backends import LaunchInputs, make_backend
+from encoder_server.vision.model import VisionEncoder
+from encoder_server.vision.packing import BucketShape, FrameRef, Launch, bucket_shapes, plan_launches
+from encoder_server.vision.positions import frame_interpolation, frame_positions
+
+logger = logging.getLogger(__name__)
+
+# 512 merged tokens = 2048 patches, the reference design's encoder attention block;
+# the default preprocessing caps an image at 512 tokens, so every image fits one.
+# Attention costs O(block^2) whatever the frames in it, so bigger blocks waste
+# compute on small images; smaller ones send large frames to the exact path.
+DEFAULT_ATTENTION_BLOCK = 512
+DEFAULT_BUCKETS: tuple[int, ...] = (64, 256, 512, 1024, 2048)
+
+
+def default_tokens_per_block(num_tokens: int, block_size: int) -> list[int]:
+    """Full blocks, then a partial last one: ``[bs, bs, ..., num_tokens % bs]``."""
+    if num_tokens <= 0 or block_size <= 0:
+        raise ValueError(f"num_tokens and block_size must be > 0, got {num_tokens} and {block_size}")
+    full, rest = divmod(num_tokens, block_size)
+    return [block_size] * full + ([rest] if rest else [])
+
+
+class EncoderRunner:
+    """Runs the encoder graph over bucketed, block-packed batches into the cache buffer."""
+
+    def __init__(
+        self,
+        encoder: VisionEncoder,
+        *,
+        block_size: int,
+        buckets: Sequence[int] | None = None,
+        backend: str = "auto",
+        attention_block: int = DEFAULT_ATTENTION_BLOCK,
+    ) -> None:
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be > 0, got {block_size}")
+        self.encoder = encoder
+        self.block_size = block_size
+        self._shapes = bucket_shapes(buckets if buckets is not None else DEFAULT_BUCKETS, attention_block)
+        self.buckets: tuple[int, ...] = tuple(s.tokens for s in self._shapes)
+        self.max_batch_tokens: int = self.buckets[-1]
+        self.attention_block = attention_block
+        self._backend = make_backend(backend, encoder, len(self._shapes))
+        self.backend: str = self._backend.name
+        logger.info("encoder runner: backend %s, buckets %s (merged tokens), attention block %d",
+                    self.backend, self.buckets, attention_block)
+
+    # --- batching ---------------------------------------------------------------------
+
+    def plan_batches(self, items: Sequence[ProcessedItem]) -> list[list[int]]:
+        """Split item indices, in order, into batches ``write`` accepts (oversize items alone)."""
+        batches: list[list[int]] = []
+        current: list[int] = []
+        used = 0
+        for index, item in enumerate(items):
+            if item.num_tokens > self.max_batch_tokens:
+                if current:
+                    batches.append(current)
+                    current, used = [], 0
+                batches.append([index])
+                continue
+            if used + item.num_tokens > self.max_batch_tokens:
+                batches.append(current)
+                current, used = [], 0
+            current.append(index)
+            used += item.num_tokens
+        if current:
+            batches.append(current)
+        return batches
+
+    # --- the write path ---------------------------------------------------------------
+
+    def write(
+        self,
+        items: Sequence[ProcessedItem],
+        block_ids: Sequence[Sequence[int]],
+        tokens_per_block: Sequence[Sequence[int]],
+        buffer: torch.Tensor,
+        scratch_block_id: int,
+    ) -> torch.Tensor:
+        """Encode ``items`` and write token ``i`` of each into its blocks, in order.
+
+        Block ``j`` of an item holds its next ``tokens_per_block[j]`` rows from row 0.
+        The scratch block may be named (warm-up); no other block may be named twice.
+        Returns ``buffer`` itself. Raises ValueError on inconsistent arguments or a
+        batch of several items over ``max_batch_tokens``; nothing is written then.
+        """
+        self._check_buffer(buffer, scratch_block_id)
+        if not (len(items) == len(block_ids) == len(tokens_per_block)):
+            raise ValueError(
+                f"items, block_ids and tokens_per_block differ in length: "
+                f"{len(items)}, {len(block_ids)}, {len(tokens_per_block)}"
+            )
+        if not items:
+            return buffer
+        total = sum(item.num_tokens for item in items)
+        if len(items) > 1 and total > self.max_batch_tokens:
+            raise ValueError(
+                f"batch of {len(items)} items has {total} tokens, more than the largest bucket "
+                f"{self.max_batch_tokens}; split it with plan_batches()"
+            )
+        dests = self._destinations(items, block_ids, tokens_per_block, buffer.shape[0], scratch_block_id)
+        frames = [
+            FrameRef(index, frame, item.grid_thw[1] * item.grid_thw[2] // self.encoder.config.merge_unit)
+            for index, item in enumerate(items)
+            for frame in range(item.grid_thw[0])
+        ]
+        for launch in plan_launches(frames, self._shapes):
+            inputs = self._launch_inputs(launch, items, dests, scratch_block_id)
+            result = self._backend.run(launch.shape, launch.exact, inputs, buffer)
+            if result.data_ptr() != buffer.data_ptr():
+                raise RuntimeError(f"backend {self.backend} returned a tensor that is not the cache buffer")
+            logger.debug("launch %s: %d real tokens of %d", launch.shape, launch.real_tokens, launch.shape.tokens)
+        return buffer
+
+    def warmup(self, buffer: torch.Tensor, scratch_block_id: int) -> None:
+        """Build every bucket's graph now (compile/trace); writes only into the scratch block."""
+        self._check_buffer(buffer, scratch_block_id)
+        for shape in self._shapes:
+            launch = Launch(shape, (), exact=False)
+            self._backend.run(shape, False, self._launch_inputs(launch, [], [], scratch_block_id), buffer)
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _check_buffer(self, buffer: torch.Tensor, scratch_block_id: int) -> None:
+        fat_dim = self.encoder.fat_dim
+        if buffer.dim() != 3 or buffer.shape[1] != self.block_size or buffer.shape[2] != fat_dim:
+            raise ValueError(
+                f"cache buffer shape {tuple(buffer.shape)} is not [num_blocks, {self.block_size}, {fat_dim}]"
+            )
+        if not buffer.is_contiguous():
+            raise ValueError("cache buffer must be contiguous")
+        if buffer.device != self.encoder.device:
+            raise ValueError(f"cache buffer is on {buffer.device}, the encoder on {self.encoder.device}")
+        if not 0 <= scratch_block_id < buffer.shape[0]:
+            raise ValueError(f"scratch_block_id {scratch_block_id} outside [0, {buffer.shape[0]})")
+
+    def _destinations(
+        self,
+        items: Sequence[ProcessedItem],
+        block_ids: Sequence[Sequence[int]],
+        tokens_per_block: Sequence[Sequence[int]],
+        num_blocks: int,
+        scratch: int,
+    ) -> list[torch.Tensor]:
+        """Flat buffer row of every token of every item, after checking all of it."""
+        cfg = self.encoder.config
+        seen: dict[int, int] = {}
+        dests: list[torch.Tensor] = []
+        for index, (item, blocks, counts) in enumerate(zip(items, block_ids, tokens_per_block)):
+            t, h, w = item.grid_thw
+            if h % cfg.spatial_merge_size or w % cfg.spatial_merge_size or t <= 0:
+                raise ValueError(f"item {index}: grid {item.grid_thw} does not fit merge size {cfg.spatial_merge_size}")
+            if tuple(item.pixel_values.shape) != (t * h * w, cfg.patch_dim):
+                raise ValueError(
+                    f"item {index}: pixel_values shape {tuple(item.pixel_values.shape)} does not match "
+                    f"grid {item.grid_thw} and patch_dim {cfg.patch_dim}"
+                )
+            if item.num_tokens != t * h * w // cfg.merge_unit:
+                raise ValueError(f"item {index}: num_tokens {item.num_tokens} != t*h*w/merge^2 of {item.grid_thw}")
+            if len(blocks) != len(counts) or not blocks:
+                raise ValueError(f"item {index}: {len(blocks)} block ids but {len(counts)} tokens_per_block")
+            if sum(counts) != item.num_tokens:
+                raise ValueError(f"item {index}: tokens_per_block {list(counts)} sum to {sum(counts)}, "
+                                 f"item has {item.num_tokens} tokens")
+            rows: list[torch.Tensor] = []
+            for block, count in zip(blocks, counts):
+                if not 0 <= block < num_blocks:
+                    raise ValueError(f"item {index}: block id {block} is outside [0, {num_blocks})")
+                # The scratch block holds garbage by definition, so writing an item
+                # there (a warm-up run) is allowed; any other block has one owner.
+                if block in seen and block != scratch:
+                    raise ValueError(f"block {block} is given to item {seen[block]} and item {index}")
+                if not 0 < count <= self.block_size:
+                    raise ValueError(f"item {index}: block {block} would hold {count} rows, "
+                                     f"block size is {self.block_size}")
+                seen[block] = index
+                rows.append(torch.arange(count, dtype=torch.int64) + block * self.block_size)
+            dests.append(torch.cat(rows))
+        return dests
+
+    def _launch_inputs(
+        self,
+        launch: Launch,
+        items: Sequence[ProcessedItem],
+        dests: Sequence[torch.Tensor],
+        scratch: int,
+    ) -> LaunchInputs:
+        cfg = self.encoder.config
+        unit, merge, side = cfg.merge_unit, cfg.spatial_merge_size, cfg.num_grid_per_side
+        n, block_tokens = launch.shape.num_blocks, launch.shape.block_tokens
+        length = block_tokens * unit
+        pixels = torch.zeros(n, length, cfg.patch_dim, dtype=self.encoder.dtype)
+        interp_index = torch.zeros(n, length, 4, dtype=torch.int64)
+        interp_weight = torch.zeros(n, length, 4, dtype=torch.float32)
+        positions = torch.zeros(n, length, 2, dtype=torch.int64)
+        segments = torch.full((n, length), -1, dtype=torch.int32)
+        # Padding rows go to the scratch block, spread over its rows.
+        dest = torch.arange(n * block_tokens, dtype=torch.int64) % self.block_size + scratch * self.block_size
+        dest = dest.view(n, block_tokens)
+        segment = 0
+        for b, block in enumerate(launch.blocks):
+            offset = 0  # merged tokens used in this block
+            for ref in block:
+                item = items[ref.item]
+                _, h, w = item.grid_thw
+                frame_patches = h * w
+                src = slice(ref.frame * frame_patches, (ref.frame + 1) * frame_patches)
+                dst = slice(offset * unit, offset * unit + frame_patches)
+                pixels[b, dst] = item.pixel_values[src]
+                index, weight = frame_interpolation(h, w, merge, side)
+                interp_index[b, dst] = index
+                interp_weight[b, dst] = weight
+                positions[b, dst] = frame_positions(h, w, merge)
+                segments[b, dst] = segment
+                dest[b, offset:offset + ref.tokens] = dests[ref.item][ref.frame * ref.tokens:(ref.frame + 1) * ref.tokens]
+                offset += ref.tokens
+                segment += 1
+        device = self.encoder.device
+        return LaunchInputs(
+            pixels=pixels.to(device, non_blocking=True),
+            interp_index=interp_index.to(device, non_blocking=True),
+            interp_weight=interp_weight.to(device, non_blocking=True),
+            positions=positions.to(device, non_blocking=True),
+            segments=segments.to(device, non_blocking=True),
+            dest=dest.reshape(-1).to(device, non_blocking=True),
+        )
+
+
+__all__ = ["DEFAULT_ATTENTION_BLOCK", "DEFAULT_BUCKETS", "BucketShape", "EncoderRunner", "default_tokens_per_block"]

@@ -1,0 +1,130 @@
+"""Build the vision tower: from a Qwen3-VL checkpoint, or seeded random (encoder process).
+
+A checkpoint directory holds ``config.json`` (with a ``vision_config``) and
+safetensors shards. Only tensors under ``model.visual.`` (Qwen3-VL in
+transformers >= 4.57) or ``visual.`` (older exports) are read, one at a time
+through ``safe_open``, so the language model's weights never reach memory.
+Every tower parameter must be present with its exact shape, and no unknown
+vision tensor may be left over: a silent partial load would serve wrong
+embeddings under the right model id.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from common.errors import ConfigError
+from encoder_server.vision.config import VisionConfig
+from encoder_server.vision.model import VisionEncoder
+
+logger = logging.getLogger(__name__)
+
+VISION_PREFIXES = ("model.visual.", "visual.")
+
+
+def load_encoder(
+    path: str | None = None,
+    *,
+    config: VisionConfig | None = None,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> VisionEncoder:
+    """The vision tower, in eval mode, on ``device``.
+
+    With ``path``: the config and weights of that Hugging Face Qwen3-VL checkpoint
+    (``config`` must then be None or equal to the checkpoint's). Without: ``config``
+    (default: the tiny :class:`VisionConfig`) initialized deterministically from ``seed``.
+    """
+    if path is not None:
+        found = VisionConfig.from_pretrained_dir(path)
+        if config is not None and config != found:
+            raise ConfigError(f"config {config} differs from the checkpoint's vision_config {found}")
+        encoder = VisionEncoder(found)
+        _load_checkpoint(encoder, Path(path))
+        logger.info("loaded vision tower from %s (%d layers, fat_dim %d)", path, found.depth, found.fat_dim)
+    else:
+        encoder = VisionEncoder(config or VisionConfig())
+        init_seeded(encoder, seed)
+    encoder.to(device=torch.device(device), dtype=dtype)
+    encoder.eval()
+    encoder.requires_grad_(False)
+    return encoder
+
+
+@torch.no_grad()
+def init_seeded(encoder: VisionEncoder, seed: int) -> None:
+    """Deterministic weights from ``seed`` (same seed, same config -> same tensors on any host)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in encoder.named_parameters():
+        values = torch.empty(param.shape, dtype=torch.float32)
+        leaf = name.rsplit(".", 1)[-1]
+        is_norm = ".norm" in name or name.startswith("norm")
+        if is_norm and leaf == "weight":
+            values.fill_(1.0)
+        elif is_norm or leaf == "bias":
+            values.normal_(0.0, 0.02, generator=generator)
+        elif name == "pos_embed.weight":
+            values.normal_(0.0, 0.5, generator=generator)
+        else:
+            # Unit-variance activations whatever the width: std 1/sqrt(fan_in).
+            fan_in = math.prod(param.shape[1:])
+            values.normal_(0.0, fan_in ** -0.5, generator=generator)
+        param.copy_(values)
+
+
+def _checkpoint_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"cannot read {index}: {exc}") from exc
+        names = sorted({f for k, f in weight_map.items() if k.startswith(VISION_PREFIXES)})
+        return [root / n for n in names]
+    return sorted(root.glob("*.safetensors"))
+
+
+@torch.no_grad()
+def _load_checkpoint(encoder: VisionEncoder, root: Path) -> None:
+    files = _checkpoint_files(root)
+    if not files:
+        raise ConfigError(f"no safetensors files with vision weights in {root}")
+    params = dict(encoder.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file in files:
+        if not file.is_file():
+            raise ConfigError(f"checkpoint shard {file} named by the index is missing")
+        with safe_open(str(file), framework="pt", device="cpu") as shard:
+            for key in shard.keys():
+                prefix = next((p for p in VISION_PREFIXES if key.startswith(p)), None)
+                if prefix is None:
+                    continue
+                name = key[len(prefix):]
+                if name not in params:
+                    unexpected.append(key)
+                    continue
+                if name in loaded:
+                    raise ConfigError(f"vision tensor {name} appears twice in {root} (last in {file.name})")
+                tensor = shard.get_tensor(key)
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise ConfigError(
+                        f"checkpoint tensor {key} has shape {tuple(tensor.shape)}, "
+                        f"the config expects {tuple(params[name].shape)}"
+                    )
+                params[name].copy_(tensor)
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint {root} does not match the vision config: "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)}), "
+            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})"
+        )

@@ -1,0 +1,59 @@
+"""Routing of items to encoder pods by rendezvous hashing (prefill process).
+
+An item lives on exactly one encoder: the one whose ``score(key, target)`` is
+highest. When that encoder is down the item goes to the next in the same
+order, so every client that sees the same set of encoders agrees on where an
+item lives, and removing one encoder moves only that encoder's items.
+
+Targets are ``HOST:PORT`` strings, or ``dns:///NAME:PORT``, which is resolved
+to every address behind the name (a headless Service lists every encoder pod).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from collections.abc import Sequence
+
+from common.errors import ConfigError
+
+
+def rendezvous_order(key: str, targets: Sequence[str]) -> list[str]:
+    """Targets from most to least preferred for ``key`` (highest random weight first)."""
+
+    def score(target: str) -> int:
+        digest = hashlib.blake2b(f"{target}|{key}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big")
+
+    return sorted(targets, key=lambda t: (score(t), t), reverse=True)
+
+
+def split_host_port(target: str) -> tuple[str, int]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"encoder target {target!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def resolve_targets(targets: Sequence[str]) -> list[str]:
+    """Expand ``dns:///NAME:PORT`` into one ``ADDR:PORT`` per resolved address."""
+    out: list[str] = []
+    for target in targets:
+        if target.startswith("dns:///"):
+            host, port = split_host_port(target[len("dns:///"):])
+            try:
+                infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except socket.gaierror as exc:
+                raise ConfigError(f"cannot resolve encoder name {host!r}: {exc}") from exc
+            for info in infos:
+                addr = info[4][0]
+                entry = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+                if entry not in out:
+                    out.append(entry)
+        else:
+            split_host_port(target)
+            if target not in out:
+                out.append(target)
+    if not out:
+        raise ConfigError("no encoder targets given")
+    return out

@@ -1,0 +1,151 @@
+"""Vision tower: parity with transformers' Qwen3VLVisionModel, weight loading, seeded init."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from common.errors import ConfigError
+from encoder_server.vision import VisionConfig, load_encoder
+from encoder_server.vision.positions import frame_interpolation, frame_positions
+
+qwen3_vl = pytest.importorskip("transformers.models.qwen3_vl.modeling_qwen3_vl")
+qwen3_vl_config = pytest.importorskip("transformers.models.qwen3_vl.configuration_qwen3_vl")
+
+TINY = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
+            deepstack_visual_indexes=[0, 1], num_position_embeddings=64, patch_size=16,
+            spatial_merge_size=2, temporal_patch_size=2)
+# images of several shapes plus a 2-temporal-patch video, in one HF call
+GRIDS = torch.tensor([[1, 4, 6], [2, 8, 4], [1, 2, 2], [1, 10, 2]])
+
+
+def hf_model(**overrides: object) -> tuple[object, object]:
+    config = qwen3_vl_config.Qwen3VLVisionConfig(**{**TINY, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(1234)
+    model = qwen3_vl.Qwen3VLVisionModel(config).eval()
+    with torch.no_grad():
+        # HF initializes norms to 1 and biases to 0; randomize everything so every tensor matters.
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    return config, model
+
+
+def save_checkpoint(path: Path, config: object, model: object, prefix: str = "model.visual.") -> None:
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": config.to_dict()}))
+    tensors = {prefix + k: v.contiguous() for k, v in model.state_dict().items()}  # type: ignore[attr-defined]
+    tensors["model.language_model.embed_tokens.weight"] = torch.zeros(8, 4)  # must be ignored
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def hf_rows(model: object, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(pixel_values, grid_thw=grid)  # type: ignore[operator]
+    assert len(out.deepstack_features) == 2
+    return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
+
+
+@pytest.mark.parametrize("prefix", ["model.visual.", "visual."])
+def test_embed_matches_transformers(tmp_path: Path, prefix: str) -> None:
+    config, model = hf_model()
+    save_checkpoint(tmp_path, config, model, prefix)
+    encoder = load_encoder(str(tmp_path))
+    assert encoder.config.fat_dim == 64 * 3 == encoder.fat_dim
+    total = int(GRIDS.prod(-1).sum())
+    pixel_values = torch.randn(total, encoder.config.patch_dim, generator=torch.Generator().manual_seed(5))
+    ours = encoder.embed(pixel_values, GRIDS)
+    ref = hf_rows(model, pixel_values, GRIDS)
+    assert ours.shape == (total // 4, 192)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_deepstack_order_follows_layers(tmp_path: Path) -> None:
+    # Mergers listed in reverse layer order: features still come out in layer order.
+    config, model = hf_model(deepstack_visual_indexes=[2, 0])
+    save_checkpoint(tmp_path, config, model)
+    encoder = load_encoder(str(tmp_path))
+    grid = torch.tensor([[1, 6, 4]])
+    pixel_values = torch.randn(24, encoder.config.patch_dim)
+    torch.testing.assert_close(encoder.embed(pixel_values, grid), hf_rows(model, pixel_values, grid),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_config_round_trips_from_hf() -> None:
+    config = qwen3_vl_config.Qwen3VLVisionConfig(**TINY)
+    ours = VisionConfig.from_hf_dict(config.to_dict())
+    assert ours == VisionConfig()  # the tiny default is exactly this config
+    assert ours.num_deepstack_levels == 2 and ours.patch_dim == 3 * 2 * 16 * 16
+
+
+def test_loader_refuses_missing_and_misshapen_tensors(tmp_path: Path) -> None:
+    config, model = hf_model()
+    state = {"model.visual." + k: v.contiguous() for k, v in model.state_dict().items()}  # type: ignore[attr-defined]
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": config.to_dict()}))
+    missing = dict(state)
+    del missing["model.visual.blocks.1.attn.qkv.weight"]
+    save_file(missing, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"missing \['blocks.1.attn.qkv.weight'\]"):
+        load_encoder(str(tmp_path))
+    wrong = dict(state)
+    wrong["model.visual.merger.linear_fc2.weight"] = torch.zeros(3, 3)
+    save_file(wrong, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="merger.linear_fc2.weight has shape"):
+        load_encoder(str(tmp_path))
+    extra = dict(state)
+    extra["model.visual.blocks.9.norm1.weight"] = torch.zeros(32)
+    save_file(extra, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="unexpected"):
+        load_encoder(str(tmp_path))
+
+
+def test_loader_follows_sharded_index(tmp_path: Path) -> None:
+    config, model = hf_model()
+    state = {"model.visual." + k: v.contiguous() for k, v in model.state_dict().items()}  # type: ignore[attr-defined]
+    names = sorted(state)
+    shards = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(tmp_path / file))
+        weight_map.update({k: file for k in keys})
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(tmp_path / "c.safetensors"))
+    weight_map["lm_head.weight"] = "c.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": config.to_dict()}))
+    encoder = load_encoder(str(tmp_path))
+    torch.testing.assert_close(encoder.blocks[2].mlp.linear_fc1.weight, model.blocks[2].mlp.linear_fc1.weight)  # type: ignore[attr-defined]
+
+
+def test_seeded_init_is_deterministic() -> None:
+    a, b, c = load_encoder(seed=3), load_encoder(seed=3), load_encoder(seed=4)
+    for (name, x), (_, y), (_, z) in zip(a.state_dict().items(), b.state_dict().items(), c.state_dict().items()):
+        assert torch.equal(x, y), name
+        if not name.endswith("norm.weight") and not name.endswith(("norm1.weight", "norm2.weight")):
+            assert not torch.equal(x, z), name
+    pixel_values = torch.randn(16, a.config.patch_dim)
+    rows = a.embed(pixel_values, [(1, 4, 4)])
+    assert rows.shape == (4, a.fat_dim) and torch.isfinite(rows).all()
+    assert torch.equal(rows, b.embed(pixel_values, [(1, 4, 4)]))
+
+
+def test_embed_rejects_mismatched_inputs() -> None:
+    encoder = load_encoder()
+    with pytest.raises(ValueError, match="does not match grid_thw"):
+        encoder.embed(torch.zeros(15, encoder.config.patch_dim), [(1, 4, 4)])
+    with pytest.raises(ValueError, match="merge size"):
+        encoder.embed(torch.zeros(15, encoder.config.patch_dim), [(1, 3, 5)])
+
+
+def test_position_tables_follow_merge_block_order() -> None:
+    pos = frame_positions(4, 6, 2)
+    # first merge block: (0,0) (0,1) (1,0) (1,1); then the block to its right
+    assert pos[:6].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3]]
+    index, weight = frame_interpolation(4, 6, 2, 8)
+    torch.testing.assert_close(weight.sum(-1), torch.ones(24))
+    # corners map exactly onto the table's corners (align_corners)
+    assert index[0, 0] == 0 and weight[0, 0] == 1
+    last = pos.tolist().index([3, 5])
+    assert index[last, 0] == 63 and weight[last, 0] == 1
