@@ -55,8 +55,10 @@ def start_encoder(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
     log_path = tmp_path / f"{name}.log"
     if ready.exists():
         ready.unlink()
+    # Eager graphs: compiling every bucket at start-up takes minutes on a small CPU box.
+    defaults = [] if "--encoder-backend" in args else ["--encoder-backend", "eager"]
     cmd = [sys.executable, "-m", "common.cli", "encoder", "--host", "127.0.0.1", "--port", "0",
-           "--metrics-port", "0", "--ready-file", str(ready), *args]
+           "--metrics-port", "0", "--ready-file", str(ready), *defaults, *args]
     full_env = {**os.environ, **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)

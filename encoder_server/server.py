@@ -1,0 +1,277 @@
+"""Assembly of the encoder process: transport, cache, encoder, gRPC, health, /metrics, drain.
+
+Start-up order matters and is the readiness contract:
+
+1. the NIXL agent is created and the cache regions are allocated through it
+   (the mock needs them in shared memory) and registered **once**;
+2. the encoder is loaded and every bucket graph is built (warm-up writes land in the
+   scratch block only);
+3. the gRPC server binds; ``liveness`` is SERVING from here on;
+4. the overall status, ``readiness`` and the service name become SERVING.
+
+On SIGTERM: every status goes NOT_SERVING (``enter_graceful_shutdown``),
+new Encode/Lookup calls are refused with UNAVAILABLE, in-flight calls finish,
+outstanding leases are given up to ``drain_grace_s`` to be released, then the
+server stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from common.config import LIVENESS_SERVICE, READINESS_SERVICE, EncoderServerConfig
+from common.errors import ConfigError
+from common.layout import CacheLayout
+from common.metrics import EncoderMetrics
+from common.transport import ProducerTransport, decode_release_notification, resolve_transport_kind
+from common.wire import SERVICE_NAME, pb2, pb2_grpc
+from encoder_server.cache_blocks import EncoderCacheBlocks
+from encoder_server.engine import EncoderEngine
+from encoder_server.preprocess import PreprocessConfig, Preprocessor
+from encoder_server.service import EncoderCacheServicer, params_to_proto
+from encoder_server.vision import EncoderRunner, load_encoder
+
+logger = logging.getLogger(__name__)
+
+HOUSEKEEPING_INTERVAL_S = 0.02
+_PROTECTED_PREFIX = f"/{SERVICE_NAME}/"
+
+
+class _TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Require ``authorization: Bearer <token>`` on the cache service; health and reflection stay open."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if details.method.startswith(_PROTECTED_PREFIX):
+            presented = b""
+            for key, value in details.invocation_metadata or ():
+                if key == "authorization":
+                    presented = value.encode() if isinstance(value, str) else value
+            if not hmac.compare_digest(presented, self._expected):
+                return self._deny
+        return await continuation(details)
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read TLS file {path!r}: {exc}") from exc
+
+
+class EncoderServer:
+    """One encoder process's worth of state; ``await start()``, then ``await wait()``."""
+
+    def __init__(self, config: EncoderServerConfig) -> None:
+        self.config = config
+        self.incarnation_id = uuid.uuid4().hex
+        self.metrics = EncoderMetrics()
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self.metrics_port = -1
+        self.health_port = -1
+        self._probe_server: grpc.aio.Server | None = None
+        self.transport_kind = resolve_transport_kind(config.transport)
+        self._server: grpc.aio.Server | None = None
+        self._httpd: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+        self._preprocess_config: PreprocessConfig | None = None
+        self.engine: EncoderEngine | None = None
+        self.servicer: EncoderCacheServicer | None = None
+        self.transport: ProducerTransport | None = None
+        self.cache: EncoderCacheBlocks | None = None
+
+    # --- start ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        for name in ("", LIVENESS_SERVICE, READINESS_SERVICE, SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        encoder = await asyncio.to_thread(load_encoder, cfg.weights, device=cfg.device)
+        vision = encoder.config
+        layout: CacheLayout = cfg.cache.layout(vision.out_hidden_size, vision.num_deepstack_levels)
+        preprocess_config = PreprocessConfig.for_encoder(
+            encoder, weights_dir=cfg.weights,
+            max_image_pixels=cfg.max_image_pixels, max_video_frames=cfg.max_video_frames)
+
+        self.transport = ProducerTransport(self.transport_kind)
+        self.incarnation_id = self.transport.incarnation_id  # one id names agent and process
+        # Allocate through the transport (shared memory for the mock), register once,
+        # and only then take the agent metadata: it is a snapshot.
+        self.cache = EncoderCacheBlocks(
+            layout, cfg.cache.effective_min_hold_ms, lease_ttl_ms=cfg.cache.lease_ttl_ms,
+            device=cfg.device, allocator=self.transport.allocator)
+        await asyncio.to_thread(
+            self.transport.register, self.cache.buffer, self.cache.mm_hash_tags, self.cache.block_generations)
+
+        runner = EncoderRunner(encoder, block_size=layout.block_size, backend=cfg.encoder_backend)
+        preprocessor = Preprocessor(preprocess_config)
+        self._preprocess_config = preprocess_config
+        # Build every bucket's graph now (writes land in the scratch block only), so no
+        # request pays for a compile and readiness means "fast".
+        await asyncio.to_thread(runner.warmup, self.cache.buffer, layout.scratch_block_id)
+
+        self.engine = EncoderEngine(
+            cache=self.cache, preprocessor=preprocessor, runner=runner, metrics=self.metrics,
+            model_id=cfg.model_id, preprocess_fingerprint=preprocess_config.fingerprint(),
+            input_cache_bytes=cfg.input_cache_bytes, preprocess_workers=cfg.encode_workers)
+        await self.engine.start()
+        self.servicer = EncoderCacheServicer(
+            engine=self.engine, metrics=self.metrics, model_id=cfg.model_id, layout=layout,
+            incarnation_id=self.incarnation_id, handshake_extra=self._handshake_extra,
+            min_hold_ms=cfg.cache.effective_min_hold_ms, lease_ttl_ms=cfg.cache.lease_ttl_ms,
+            max_items=cfg.max_items_per_request, max_video_frames=cfg.max_video_frames)
+
+        await self._start_grpc()
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port >= 0:
+            self._httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry)
+            self.metrics_port = self._httpd.server_port
+        self._tasks.append(asyncio.create_task(self._housekeeping(), name="epd-housekeeping"))
+        for name in ("", READINESS_SERVICE, SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.info(
+            "encoder %s serving model %r: layout %s blocks x %s rows x %s (%s), buffer %.1f MiB, "
+            "min hold %d ms, transport %s, gRPC %s:%d, metrics port %d",
+            self.incarnation_id[:8], cfg.model_id, layout.num_blocks, layout.block_size, layout.fat_dim,
+            cfg.cache.dtype, layout.buffer_bytes / 2**20, cfg.cache.effective_min_hold_ms,
+            self.transport_kind.value, cfg.host, self.port, self.metrics_port)
+
+    async def _start_grpc(self) -> None:
+        cfg = self.config
+        interceptors = [_TokenAuthInterceptor(cfg.tls.auth_token)] if cfg.tls.auth_token else []
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(interceptors=interceptors, options=options)
+        assert self.servicer is not None
+        pb2_grpc.add_EncoderCacheServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls.cert and cfg.tls.key:
+            creds = grpc.ssl_server_credentials(
+                [(_read(cfg.tls.key), _read(cfg.tls.cert))],
+                root_certificates=_read(cfg.tls.ca) if cfg.tls.ca else None,
+                require_client_auth=bool(cfg.tls.ca))
+            self.port = server.add_secure_port(address, creds)
+        else:
+            self.port = server.add_insecure_port(address)
+        if self.port == 0:
+            raise ConfigError(f"cannot listen on {address}")
+        await server.start()
+        self._server = server
+        if cfg.health_port >= 0:
+            # Probes (Kubernetes gRPC probes among them) speak neither TLS nor tokens.
+            probe_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, probe_server)
+            self.health_port = probe_server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
+            await probe_server.start()
+            self._probe_server = probe_server
+
+    def _handshake_extra(self) -> pb2.HandshakeResponse:
+        assert self.transport is not None
+        t = self.transport
+        pp = self._preprocess_config
+        assert pp is not None
+        return pb2.HandshakeResponse(
+            agent_name=t.agent_name,
+            agent_metadata=t.agent_metadata(),
+            buffer_region=t.buffer_region.to_proto(),
+            tag_region=t.tag_region.to_proto(),
+            generation_region=t.generation_region.to_proto(),
+            transport=self.transport_kind.value,
+            preprocess=params_to_proto(pp.params(), pp.fingerprint()),
+        )
+
+    # --- background --------------------------------------------------------------------------
+
+    async def _housekeeping(self) -> None:
+        assert self.engine is not None and self.transport is not None
+        while True:
+            try:
+                messages = await asyncio.to_thread(self.transport.drain_notifications)
+                lease_ids: list[int] = []
+                for msg in messages:
+                    try:
+                        lease_ids += decode_release_notification(msg)
+                    except ValueError as exc:
+                        logger.warning("ignored a malformed notification: %s", exc)
+                if lease_ids:
+                    self.engine.release(lease_ids, None)
+                self.engine.housekeeping()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("housekeeping step failed")
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
+
+    # --- stop ----------------------------------------------------------------------------------
+
+    async def drain_and_stop(self) -> None:
+        """Graceful shutdown: refuse new work, finish in-flight calls, wait for leases, stop."""
+        if self._stopped.is_set():
+            return
+        await self.health.enter_graceful_shutdown()
+        if self.servicer is not None:
+            self.servicer.draining = True
+        deadline = time.monotonic() + self.config.drain_grace_s
+        while self.cache is not None and self.cache.num_pinned_items and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.cache is not None and self.cache.num_pinned_items:
+            logger.warning("drain grace over with %d items still leased", self.cache.num_pinned_items)
+        await self.stop(grace=max(0.0, deadline - time.monotonic()))
+
+    async def stop(self, grace: float | None = 0.0) -> None:
+        if self._stopped.is_set():
+            return
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._probe_server is not None:
+            await self._probe_server.stop(0)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if self.engine is not None:
+            await self.engine.stop()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        if self.transport is not None:
+            self.transport.close()
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
