@@ -1,0 +1,388 @@
+"""Consumer library of the prefill process: handshake, pull, verify (prefill process).
+
+:class:`EncoderCacheClient` asks an encoder for item locations over gRPC and
+pulls the rows over NIXL in the order that makes a wrong embedding impossible
+to miss:
+
+1. READ the item's blocks into our landing blocks and wait (with a deadline);
+2. only then READ the blocks' tags and generations (a second transfer that
+   carries the lease release as its notification);
+3. compare each tag with ``mm_hash_fingerprint(mm_hash)`` computed here and
+   each generation with the one the location named.
+
+The producer stamps tag and generation before it writes any row and never
+writes a block again until it re-allocates it (which re-stamps both), so a
+match read *after* the data proves the data was the item's. Anything else is
+an :class:`ECLoadFailure`, never a silent skip.
+
+The client is synchronous and thread-safe; :class:`AsyncEncoderCacheClient`
+wraps it for asyncio by running calls in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+from common.config import FailurePolicy, TlsConfig, TransportKind
+from common.errors import (
+    CacheFullError,
+    ECLoadFailure,
+    EpdError,
+    HandshakeError,
+    LoadFailureReason,
+    PeerDisconnected,
+    TransferTimeout,
+)
+from common.fingerprint import mm_hash_fingerprint
+from common.media import PreprocessParams
+from common.metrics import PrefillMetrics
+from common.transport import ConsumerTransport, encode_release_notification
+from common.wire import pb2
+from prefill_client.encoder_conn import EncoderConnection, MediaSpec, content_key
+from prefill_client.routing import rendezvous_order, resolve_targets
+
+logger = logging.getLogger(__name__)
+
+_RETRYABLE = {
+    LoadFailureReason.TAG_MISMATCH, LoadFailureReason.GENERATION_MISMATCH,
+    LoadFailureReason.EVICTED, LoadFailureReason.TIMEOUT, LoadFailureReason.DISCONNECT,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PulledItem:
+    """A verified item: its rows and where they came from."""
+
+    mm_hash: str
+    embeddings: torch.Tensor  # [num_tokens, fat_dim], the cache dtype
+    grid_thw: tuple[int, ...]
+    encoder: str
+    source: str  # "local" (consumer cache), "hit" (encoder had it), "miss" (encoder ran)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeddings.shape[0])
+
+
+class _LocalCache:
+    """Pulled items by mm_hash, LRU, bounded in blocks of the producer layout."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self._items: collections.OrderedDict[str, tuple[PulledItem, int]] = collections.OrderedDict()
+        self._blocks = 0
+        self._lock = threading.Lock()
+
+    def get(self, mm_hash: str) -> PulledItem | None:
+        with self._lock:
+            entry = self._items.get(mm_hash)
+            if entry is None:
+                return None
+            self._items.move_to_end(mm_hash)
+            return entry[0]
+
+    def put(self, item: PulledItem, blocks: int) -> None:
+        with self._lock:
+            if blocks > self.capacity_blocks or item.mm_hash in self._items:
+                return
+            self._items[item.mm_hash] = (item, blocks)
+            self._blocks += blocks
+            while self._blocks > self.capacity_blocks:
+                _, (_, old) = self._items.popitem(last=False)
+                self._blocks -= old
+
+    def __contains__(self, mm_hash: str) -> bool:
+        with self._lock:
+            return mm_hash in self._items
+
+
+class EncoderCacheClient:
+    """Encode / lookup items on one or more encoders and pull them, verified."""
+
+    def __init__(
+        self,
+        targets: str | Sequence[str],
+        model_id: str,
+        *,
+        consumer_id: str | None = None,
+        transport: ConsumerTransport | None = None,
+        transport_kind: TransportKind | str = TransportKind.AUTO,
+        rpc_timeout_s: float = 10.0,
+        pull_timeout_s: float = 2.0,
+        failure_policy: FailurePolicy | str = FailurePolicy.FAIL,
+        landing_blocks: int = 64,
+        local_cache_blocks: int = 256,
+        metrics: PrefillMetrics | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.consumer_id = consumer_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.rpc_timeout_s = rpc_timeout_s
+        self.pull_timeout_s = pull_timeout_s
+        self.failure_policy = FailurePolicy(failure_policy)
+        self.metrics = metrics if metrics is not None else PrefillMetrics()
+        self._own_transport = transport is None
+        self.transport = transport if transport is not None else ConsumerTransport(
+            TransportKind(transport_kind), num_landing_blocks=landing_blocks)
+        self._tls = tls or TlsConfig()
+        self.targets = resolve_targets([targets] if isinstance(targets, str) else list(targets))
+        self._conns = {
+            t: EncoderConnection(t, model_id, self.consumer_id, self.transport, self.metrics,
+                                 rpc_timeout_s=rpc_timeout_s, tls=self._tls)
+            for t in self.targets
+        }
+        self._local = _LocalCache(local_cache_blocks)
+        self._where: dict[str, str] = {}  # mm_hash -> encoder target it was found on
+
+    # --- public API ------------------------------------------------------------------------
+
+    def encode(self, items: Sequence[MediaSpec]) -> list[PulledItem]:
+        """Encode (or find) every item on its encoder and pull it, verified, in order."""
+        out: list[PulledItem | None] = [None] * len(items)
+        by_target: dict[str, list[int]] = collections.defaultdict(list)
+        for i, item in enumerate(items):
+            by_target[self._pick(content_key(item))[0]].append(i)
+        for target, indices in by_target.items():
+            pulled = self._with_failover(
+                content_key(items[indices[0]]), target,
+                lambda conn: self._encode_on(conn, [items[i] for i in indices]))
+            for i, p in zip(indices, pulled):
+                out[i] = p
+        return [p for p in out if p is not None]
+
+    def lookup(self, mm_hashes: Sequence[str], *, require: bool = False) -> list[PulledItem | None]:
+        """Pull items known by mm_hash; ``None`` where no encoder has the item.
+
+        With ``require=True`` a missing item is ``ECLoadFailure(evicted)`` instead
+        (the caller held a location for it, so it was there and is gone)."""
+        out: list[PulledItem | None] = []
+        for h in mm_hashes:
+            local = self._local.get(h)
+            if local is not None:
+                out.append(PulledItem(local.mm_hash, local.embeddings, local.grid_thw, local.encoder, "local"))
+                continue
+            target = self._where.get(h) or self._pick(h)[0]
+            conn = self._conns[target]
+            loc = conn.lookup([h])[0]
+            if loc is None and require:
+                raise self._fail(LoadFailureReason.EVICTED, [], detail=f"{h} is no longer on encoder {target}",
+                                 mm_hash=h)
+            out.append(None if loc is None else self._pull(conn, [loc])[0])
+        return out
+
+    def media_params(self) -> tuple[PreprocessParams, str]:
+        """Preprocessing parameters and fingerprint every encoder must share (layer-1 token counts)."""
+        seen: tuple[PreprocessParams, str] | None = None
+        for target in self.targets:
+            try:
+                params = self._conns[target].media_params
+            except grpc.RpcError as exc:
+                logger.warning("encoder %s unreachable for its media parameters: %s", target, exc.code())
+                continue
+            if seen is not None and params != seen:
+                raise HandshakeError(f"encoders disagree on preprocessing: {seen} vs {target}: {params}")
+            seen = params
+        if seen is None:
+            raise ECLoadFailure(LoadFailureReason.HANDSHAKE, "-", detail="no encoder reachable")
+        return seen
+
+    def cached(self, mm_hash: str) -> PulledItem | None:
+        """The consumer-side cache of pulled items (no RPC, no NIXL)."""
+        return self._local.get(mm_hash)
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        if self._own_transport:
+            self.transport.close()
+
+    def __enter__(self) -> EncoderCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- routing ---------------------------------------------------------------------------
+
+    def _pick(self, key: str) -> list[str]:
+        return rendezvous_order(key, self.targets)
+
+    def _with_failover(self, key: str, first: str, call):  # type: ignore[no-untyped-def]
+        """Run ``call(conn)`` on the item's encoder, moving down the rendezvous order when one is down."""
+        order = [first] + [t for t in self._pick(key) if t != first]
+        last_exc: Exception | None = None
+        for target in order:
+            conn = self._conns[target]
+            try:
+                return call(conn)
+            except _EncoderDown as exc:
+                logger.warning("encoder %s is down (%s); trying the next one", target, exc)
+                last_exc = exc
+        raise ECLoadFailure(LoadFailureReason.HANDSHAKE, key, detail=f"no encoder reachable: {last_exc}")
+
+    # --- encode + pull ----------------------------------------------------------------------
+
+    def _encode_on(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> list[PulledItem]:
+        attempts = 2 if self.failure_policy is FailurePolicy.RETRY else 1
+        for attempt in range(attempts):
+            try:
+                locations = self._encode_admitted(conn, items)
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise _EncoderDown(str(exc.details())) from exc
+                raise
+            except PeerDisconnected as exc:
+                raise _EncoderDown(str(exc)) from exc
+            try:
+                return self._pull(conn, locations)
+            except ECLoadFailure as exc:
+                if attempt + 1 < attempts and exc.reason in _RETRYABLE:
+                    logger.warning("retrying after %s", exc)
+                    continue
+                raise
+        raise AssertionError("unreachable")
+
+    def _encode_admitted(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> list[pb2.ItemLocation]:
+        """Encode, honouring RESOURCE_EXHAUSTED retry hints for at most one RPC timeout."""
+        give_up = time.monotonic() + self.rpc_timeout_s
+        while True:
+            try:
+                return conn.encode(items)
+            except CacheFullError as exc:
+                wait = exc.retry_after_ms / 1000.0
+                if time.monotonic() + wait > give_up:
+                    raise
+                time.sleep(wait)
+
+    def _pull(self, conn: EncoderConnection, locations: Sequence[pb2.ItemLocation]) -> list[PulledItem]:
+        """Pull, then verify, every location; local-cache hits need no transfer."""
+        results: list[PulledItem | None] = [None] * len(locations)
+        todo: list[int] = []
+        for i, loc in enumerate(locations):
+            local = self._local.get(loc.mm_hash)
+            if local is not None:
+                conn.release([loc.lease_id])
+                results[i] = PulledItem(loc.mm_hash, local.embeddings, local.grid_thw, local.encoder, "local")
+            else:
+                todo.append(i)
+        if todo:
+            for i, item in zip(todo, self._pull_verified(conn, [locations[i] for i in todo])):
+                results[i] = item
+        return [r for r in results if r is not None]
+
+    def _pull_verified(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation]) -> list[PulledItem]:
+        layout = conn.layout
+        for loc in locs:
+            self._check_location(loc, layout.block_size)
+        remote = np.fromiter((b for loc in locs for b in loc.block_ids), dtype=np.int32)
+        landing = self.transport.landing
+        local_ids = landing.acquire(len(remote))
+        if local_ids is None:
+            if len(locs) > 1:  # pull item by item when the batch does not fit the landing pool
+                return [p for loc in locs for p in self._pull_verified(conn, [loc])]
+            raise ECLoadFailure(
+                LoadFailureReason.TOKEN_COUNT, locs[0].mm_hash,
+                detail=f"needs {len(remote)} landing blocks, the pool has {landing.num_blocks}")
+        local = np.asarray(local_ids, dtype=np.int32)
+        quarantined = False
+        started = time.perf_counter()
+        try:
+            peer = conn.peer()
+            try:
+                peer.read_blocks(remote, local, time.monotonic() + self.pull_timeout_s)
+                # Only after the rows are in: the tags and generations, releasing the leases.
+                tags, gens = peer.read_tags(
+                    remote, time.monotonic() + self.pull_timeout_s,
+                    notif=encode_release_notification([loc.lease_id for loc in locs]))
+            except TransferTimeout as exc:
+                quarantined = True  # the transport quarantined the landing blocks
+                raise self._fail(LoadFailureReason.TIMEOUT, locs, str(exc)) from exc
+            except PeerDisconnected as exc:
+                conn.reset()
+                raise self._fail(LoadFailureReason.DISCONNECT, locs, str(exc)) from exc
+            out = self._verify_and_copy(conn, locs, tags, gens, local)
+        finally:
+            if not quarantined:
+                landing.release(local_ids)
+        elapsed = time.perf_counter() - started
+        self.metrics.pull_latency.observe(elapsed)
+        self.metrics.pulls.inc(len(locs))
+        self.metrics.pull_bytes.inc(len(remote) * layout.bytes_per_block)
+        return out
+
+    def _verify_and_copy(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation],
+                         tags: np.ndarray, gens: np.ndarray, local: np.ndarray) -> list[PulledItem]:
+        buffer = self.transport.landing.tensor
+        out: list[PulledItem] = []
+        offset = 0
+        for loc in locs:
+            expected = mm_hash_fingerprint(loc.mm_hash)
+            if loc.fingerprint != expected:
+                raise self._fail(LoadFailureReason.TAG_MISMATCH, [loc],
+                                 f"location fingerprint {loc.fingerprint} != {expected}")
+            rows = []
+            for j, block in enumerate(loc.block_ids):
+                tag, gen = int(tags[offset + j]), int(gens[offset + j])
+                if tag != expected:
+                    raise self._fail(LoadFailureReason.TAG_MISMATCH, [loc], block=block, expected=expected, got=tag)
+                if gen != loc.generation:
+                    raise self._fail(LoadFailureReason.GENERATION_MISMATCH, [loc], block=block,
+                                     expected=loc.generation, got=gen)
+                rows.append(buffer[int(local[offset + j]), : loc.tokens_per_block[j]])
+            offset += len(loc.block_ids)
+            embeddings = torch.cat(rows) if len(rows) > 1 else rows[0].clone()
+            item = PulledItem(loc.mm_hash, embeddings, tuple(loc.grid_thw), conn.target,
+                              "hit" if loc.result == pb2.CACHE_RESULT_HIT else "miss")
+            self._local.put(item, len(loc.block_ids))
+            self._where[loc.mm_hash] = conn.target
+            out.append(item)
+        return out
+
+    def _check_location(self, loc: pb2.ItemLocation, block_size: int) -> None:
+        tpb = list(loc.tokens_per_block)
+        if (not loc.block_ids or len(tpb) != len(loc.block_ids) or sum(tpb) != loc.num_tokens
+                or any(not 0 < n <= block_size for n in tpb)):
+            raise self._fail(LoadFailureReason.TOKEN_COUNT, [loc],
+                             f"blocks {list(loc.block_ids)} with tokens {tpb} do not hold {loc.num_tokens} tokens")
+
+    def _fail(self, reason: LoadFailureReason, locs: Sequence[pb2.ItemLocation], detail: str = "",
+              *, mm_hash: str = "", block: int | None = None, expected: object = None,
+              got: object = None) -> ECLoadFailure:
+        self.metrics.load_failures.labels(reason=reason.value).inc()
+        name = mm_hash or (locs[0].mm_hash if locs else "?")
+        return ECLoadFailure(reason, name, block=block, expected=expected, got=got, detail=detail)
+
+
+class _EncoderDown(EpdError):
+    """An encoder did not answer; the item moves to the next encoder in rendezvous order."""
+
+
+class AsyncEncoderCacheClient:
+    """asyncio face of :class:`EncoderCacheClient`: each call runs in a worker thread."""
+
+    def __init__(self, client: EncoderCacheClient) -> None:
+        self.client = client
+
+    async def encode(self, items: Sequence[MediaSpec]) -> list[PulledItem]:
+        return await asyncio.to_thread(self.client.encode, items)
+
+    async def lookup(self, mm_hashes: Sequence[str]) -> list[PulledItem | None]:
+        return await asyncio.to_thread(self.client.lookup, mm_hashes)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.client.close)
+
+
+__all__ = ["AsyncEncoderCacheClient", "EncoderCacheClient", "HandshakeError", "PulledItem"]

@@ -1,0 +1,261 @@
+"""One prefill worker's connection to one encoder: channel, handshake, RPCs (prefill process).
+
+A connection handshakes lazily, once per producer incarnation: the answer
+names the incarnation, and a response carrying another one (the encoder
+restarted) drops the NIXL peer and handshakes again before anything is read,
+so no READ ever goes through descriptors of a previous incarnation.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from common import media
+from common.config import TlsConfig
+from common.errors import (
+    AuthError,
+    CacheFullError,
+    EpdError,
+    HandshakeError,
+    InvalidMediaError,
+    InvalidRequestError,
+    LimitExceededError,
+)
+from common.layout import CacheLayout
+from common.metrics import PrefillMetrics
+from common.transport import ConsumerTransport, ProducerPeer
+from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_PROTO_DTYPES = {pb2.D_TYPE_BFLOAT16: "bfloat16", pb2.D_TYPE_FLOAT16: "float16", pb2.D_TYPE_FLOAT32: "float32"}
+_RETRY_HINT = re.compile(r"retry after (\d+) ms")
+
+
+@dataclass(frozen=True, slots=True)
+class MediaSpec:
+    """An item to encode, as the client sends it."""
+
+    kind: str  # "image" | "video"
+    frames: tuple[bytes, ...]  # one entry for an image
+    fps: float = 0.0
+    uuid: str = ""
+
+    @classmethod
+    def image(cls, data: bytes, uuid: str = "") -> MediaSpec:
+        return cls("image", (data,), 0.0, uuid)
+
+    @classmethod
+    def video(cls, frames: Sequence[bytes], fps: float = 0.0, uuid: str = "") -> MediaSpec:
+        return cls("video", tuple(frames), fps, uuid)
+
+    def to_proto(self) -> pb2.MediaItem:
+        if self.kind == "image":
+            return pb2.MediaItem(image=self.frames[0], uuid=self.uuid)
+        return pb2.MediaItem(video=pb2.VideoFrames(frames=self.frames, fps=self.fps), uuid=self.uuid)
+
+
+def content_key(item: MediaSpec) -> str:
+    """Digest of an item's bytes: the routing key (the only variable input of its mm_hash)."""
+    return media.content_hash(item.kind, item.frames, item.fps)
+
+
+def layout_from_proto(msg: pb2.CacheLayout) -> CacheLayout:
+    from common.layout import parse_dtype
+
+    if msg.dtype not in _PROTO_DTYPES:
+        raise HandshakeError(f"encoder announced unknown cache dtype {msg.dtype}")
+    layout = CacheLayout(msg.num_blocks, msg.block_size, msg.out_hidden_size,
+                         msg.num_deepstack_levels, parse_dtype(_PROTO_DTYPES[msg.dtype]))
+    if layout.fat_dim != msg.fat_dim or layout.bytes_per_block != msg.bytes_per_block:
+        raise HandshakeError(
+            f"encoder layout is inconsistent: fat_dim {msg.fat_dim} / bytes_per_block "
+            f"{msg.bytes_per_block}, expected {layout.fat_dim} / {layout.bytes_per_block}")
+    return layout
+
+
+def params_from_proto(p: pb2.PreprocessParams) -> media.PreprocessParams:
+    if not (p.patch_size and p.merge_size and p.temporal_patch_size and p.max_pixels):
+        raise HandshakeError(f"encoder sent incomplete preprocessing parameters: {p}")
+    return media.PreprocessParams(
+        p.patch_size, p.merge_size, p.temporal_patch_size, p.min_pixels, p.max_pixels,
+        p.video_min_pixels or None, p.video_max_pixels or None, p.video_sample_fps or None)
+
+
+def status_error(exc: grpc.RpcError) -> EpdError | None:
+    """Our typed error for a status the caller must act on, or None (infrastructure)."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        hint = _RETRY_HINT.search(details)
+        if hint:
+            return CacheFullError(details.split(" (retry after")[0], int(hint.group(1)))
+        return LimitExceededError(details)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequestError(details)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthError(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and "incarnation" not in details:
+        return HandshakeError(details)
+    return None
+
+
+class EncoderConnection:
+    """gRPC channel + handshake + NIXL peer for one encoder target."""
+
+    def __init__(
+        self,
+        target: str,
+        model_id: str,
+        consumer_id: str,
+        transport: ConsumerTransport,
+        metrics: PrefillMetrics,
+        *,
+        rpc_timeout_s: float,
+        tls: TlsConfig,
+    ) -> None:
+        self.target = target
+        self.model_id = model_id
+        self.consumer_id = consumer_id
+        self.transport = transport
+        self.metrics = metrics
+        self.rpc_timeout_s = rpc_timeout_s
+        self._metadata = (("authorization", f"Bearer {tls.auth_token}"),) if tls.auth_token else ()
+        self._channel = self._open_channel(target, tls)
+        self._stub = pb2_grpc.EncoderCacheServiceStub(self._channel)
+        self._lock = threading.Lock()
+        self._peer: ProducerPeer | None = None
+        self.incarnation_id = ""
+        self._layout: CacheLayout | None = None
+        self._media: tuple[media.PreprocessParams, str] | None = None
+
+    @staticmethod
+    def _open_channel(target: str, tls: TlsConfig) -> grpc.Channel:
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        if tls.ca or tls.cert:
+            def read(path: str | None) -> bytes | None:
+                if path is None:
+                    return None
+                with open(path, "rb") as f:
+                    return f.read()
+            creds = grpc.ssl_channel_credentials(read(tls.ca), read(tls.key), read(tls.cert))
+            return grpc.secure_channel(target, creds, options=options)
+        return grpc.insecure_channel(target, options=options)
+
+    # --- handshake -----------------------------------------------------------------------
+
+    @property
+    def layout(self) -> CacheLayout:
+        self.peer()
+        assert self._layout is not None
+        return self._layout
+
+    @property
+    def media_params(self) -> tuple[media.PreprocessParams, str]:
+        """The encoder's preprocessing parameters and their fingerprint (from the handshake)."""
+        self.peer()
+        assert self._media is not None
+        return self._media
+
+    def peer(self) -> ProducerPeer:
+        """The NIXL peer of the current incarnation, handshaking first if needed."""
+        with self._lock:
+            if self._peer is None:
+                self._handshake()
+            assert self._peer is not None
+            return self._peer
+
+    def _handshake(self) -> None:
+        request = pb2.HandshakeRequest(
+            protocol_version=PROTOCOL_VERSION, model_id=self.model_id, consumer_id=self.consumer_id)
+        try:
+            resp = self._stub.Handshake(request, timeout=self.rpc_timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            self.metrics.handshakes.labels(result=exc.code().name.lower()).inc()
+            err = status_error(exc)
+            if err is not None:
+                raise err from exc
+            raise
+        layout = layout_from_proto(resp.layout)
+        local_hash = layout.compatibility_hash(self.model_id, PROTOCOL_VERSION)
+        if resp.compatibility_hash != local_hash or resp.model_id != self.model_id:
+            self.metrics.handshakes.labels(result="mismatch").inc()
+            raise HandshakeError(
+                f"compatibility mismatch with {self.target}: local {self.model_id!r}/{local_hash}, "
+                f"remote {resp.model_id!r}/{resp.compatibility_hash}")
+        self._peer = self.transport.connect(resp, endpoint=self.target)
+        self._layout = layout
+        self._media = (params_from_proto(resp.preprocess), resp.preprocess.fingerprint)
+        self.incarnation_id = resp.incarnation_id
+        self.metrics.handshakes.labels(result="ok").inc()
+        logger.info("handshook with encoder %s (incarnation %s, transport %s)",
+                    self.target, resp.incarnation_id[:8], resp.transport)
+
+    def reset(self) -> None:
+        """Forget the peer: the next call handshakes again."""
+        with self._lock:
+            self._peer = None
+            self.incarnation_id = ""
+
+    # --- RPCs --------------------------------------------------------------------------------
+
+    def _call(self, method: str, request: object) -> object:
+        """One RPC against the current incarnation; a changed incarnation re-handshakes once."""
+        for attempt in range(2):
+            self.peer()
+            request.incarnation_id = self.incarnation_id  # type: ignore[attr-defined]
+            try:
+                resp = getattr(self._stub, method)(request, timeout=self.rpc_timeout_s, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "incarnation" in (exc.details() or ""):
+                    self.reset()
+                    continue
+                err = status_error(exc)
+                if err is not None:
+                    raise err from exc
+                raise
+            if resp.incarnation_id != self.incarnation_id:  # type: ignore[attr-defined]
+                self.reset()
+                continue
+            return resp
+        raise HandshakeError(f"encoder {self.target} changed incarnation twice during one call")
+
+    def encode(self, items: Sequence[MediaSpec]) -> list[pb2.ItemLocation]:
+        request = pb2.EncodeRequest(
+            model_id=self.model_id, consumer_id=self.consumer_id, items=[i.to_proto() for i in items])
+        resp = self._call("Encode", request)
+        out: list[pb2.ItemLocation] = []
+        for i, result in enumerate(resp.results):  # type: ignore[attr-defined]
+            if result.WhichOneof("outcome") == "error":
+                self.release([loc.lease_id for loc in out])
+                label = f"item {i}" + (f" ({items[i].uuid})" if items[i].uuid else "")
+                if result.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
+                    raise InvalidMediaError(label, result.error.message)
+                raise EpdError(f"{label}: {result.error.message}")
+            out.append(result.location)
+        return out
+
+    def lookup(self, mm_hashes: Sequence[str]) -> list[pb2.ItemLocation | None]:
+        request = pb2.LookupRequest(model_id=self.model_id, consumer_id=self.consumer_id, mm_hashes=mm_hashes)
+        resp = self._call("Lookup", request)
+        return [r.location if r.WhichOneof("outcome") == "location" else None
+                for r in resp.results]  # type: ignore[attr-defined]
+
+    def release(self, lease_ids: Sequence[int]) -> None:
+        """Best effort: an unreleased lease expires on its own."""
+        if not lease_ids:
+            return
+        try:
+            self._stub.Release(pb2.ReleaseRequest(consumer_id=self.consumer_id, lease_ids=lease_ids),
+                               timeout=self.rpc_timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            logger.warning("release of %d leases on %s failed: %s", len(lease_ids), self.target, exc.code())
+
+    def close(self) -> None:
+        self.reset()
+        self._channel.close()

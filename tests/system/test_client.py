@@ -1,0 +1,193 @@
+"""EncoderCacheClient against a real `epd encoder` process: verified pulls and every failure reason."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from common.errors import CacheFullError, ECLoadFailure, InvalidMediaError, LoadFailureReason
+from common.transport import PostInfo
+from prefill_client.client import EncoderCacheClient
+from prefill_client.encoder_conn import MediaSpec
+from tests.support.media import image_bytes, video_frames
+from tests.support.procs import start_encoder
+from tests.support.reference import Reference, matches
+from tests.transport_params import TRANSPORTS
+
+MODEL = "tiny-qwen3-vl"
+REF = Reference()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _encode_when_admitted(client: EncoderCacheClient, data: bytes) -> None:
+    """Encode, waiting out RESOURCE_EXHAUSTED while the previous lease release travels."""
+    for _ in range(100):
+        try:
+            client.encode([MediaSpec.image(data)])
+            return
+        except CacheFullError as exc:
+            time.sleep(exc.retry_after_ms / 1000)
+    raise AssertionError("never admitted")
+
+
+def _is_tag_read(info: PostInfo) -> bool:
+    return info.nbytes % 16 == 0 and info.nbytes <= 16 * 64  # tags + generations: 16 bytes a block
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def encoder(request, tmp_path_factory):
+    enc = start_encoder(tmp_path_factory.mktemp("enc"), "--transport", request.param,
+                        "--cache-blocks", "48", "--block-size", "64")
+    yield enc
+    assert enc.terminate() == 0, enc.log()
+
+
+def test_pulled_embeddings_equal_a_local_reference_encode(encoder) -> None:
+    images = [image_bytes(w, h, seed=s) for s, (w, h) in enumerate([(64, 64), (200, 120), (90, 300)])]
+    frames = video_frames(64, 96, 4, seed=7)
+    with EncoderCacheClient(encoder.target, MODEL, transport_kind=encoder.transport) as client:
+        pulled = client.encode([MediaSpec.image(b) for b in images] + [MediaSpec.video(frames)])
+        assert [p.source for p in pulled] == ["miss"] * 4
+        refs = [REF.image(b) for b in images] + [REF.video(frames)]
+        for p, ref in zip(pulled, refs):
+            assert matches(p.embeddings, ref), p.mm_hash
+        assert not matches(pulled[0].embeddings, refs[1])  # the check can tell items apart
+        # The consumer-side cache serves a repeat without any transfer.
+        pulls = client.metrics.pulls._value.get()
+        again = client.encode([MediaSpec.image(images[0])])[0]
+        assert again.source == "local" and torch_equal(again.embeddings, pulled[0].embeddings)
+        assert client.metrics.pulls._value.get() == pulls
+    with EncoderCacheClient(encoder.target, MODEL, transport_kind=encoder.transport) as fresh:
+        found = fresh.lookup([pulled[1].mm_hash, "f" * 32])
+        assert found[0] is not None and found[0].source == "hit" and matches(found[0].embeddings, refs[1])
+        assert found[1] is None
+        with pytest.raises(ECLoadFailure) as info:
+            fresh.lookup(["e" * 32], require=True)
+        assert info.value.reason is LoadFailureReason.EVICTED
+
+
+def torch_equal(a, b) -> bool:  # type: ignore[no-untyped-def]
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+def test_bad_media_is_a_typed_error_naming_the_item(encoder) -> None:
+    with EncoderCacheClient(encoder.target, MODEL, transport_kind=encoder.transport) as client:
+        with pytest.raises(InvalidMediaError, match="cat.png"):
+            client.encode([MediaSpec.image(image_bytes(64, 64, seed=50)), MediaSpec.image(b"nope", uuid="cat.png")])
+
+
+@pytest.mark.parametrize("reason", [LoadFailureReason.TAG_MISMATCH, LoadFailureReason.GENERATION_MISMATCH])
+def test_block_reused_between_the_reads_is_caught(tmp_path, reason) -> None:
+    """The mock runs a callback between the block READ and the tag READ: there the lease
+    expires and the producer reuses the one usable block for another item (tag) or the
+    same item again (generation). The pull must fail, naming the item and block."""
+    enc = start_encoder(tmp_path, "--transport", "mock", "--cache-blocks", "2", "--block-size", "64",
+                        "--min-hold-ms", "0", "--lease-ttl-ms", "200")
+    a, b = image_bytes(64, 64, seed=1), image_bytes(64, 64, seed=2)
+    try:
+        with EncoderCacheClient(enc.target, MODEL, transport_kind="mock") as client, \
+                EncoderCacheClient(enc.target, MODEL, transport_kind="mock") as other:
+            def reuse(info: PostInfo) -> None:
+                if not _is_tag_read(info):
+                    return
+                client.transport.agent.faults.before_post = None
+                time.sleep(0.3)  # past the lease TTL: the item is evictable now
+                _encode_when_admitted(other, b)
+                if reason is LoadFailureReason.GENERATION_MISMATCH:
+                    _encode_when_admitted(other, a)  # same item, same block, new generation
+
+            client.transport.agent  # noqa: B018 - created with the client
+            client.media_params()  # handshake first, so the hook sees only the pull's posts
+            client.transport.agent.faults.before_post = reuse
+            with pytest.raises(ECLoadFailure) as info:
+                client.encode([MediaSpec.image(a)])
+            assert info.value.reason is reason
+            assert info.value.block == 0
+            assert client.metrics.load_failures.labels(reason=reason.value)._value.get() == 1
+            # With the retry policy the same race is survived by re-requesting once.
+            retry = EncoderCacheClient(enc.target, MODEL, transport_kind="mock", failure_policy="retry")
+            with retry:
+                retry.media_params()
+                retry.transport.agent.faults.before_post = lambda i: (
+                    setattr(retry.transport.agent.faults, "before_post", None),
+                    time.sleep(0.3), _encode_when_admitted(other, b)) if _is_tag_read(i) else None
+                got = retry.encode([MediaSpec.image(a)])[0]
+                assert matches(got.embeddings, REF.image(a))
+    finally:
+        assert enc.terminate() == 0, enc.log()
+
+
+def test_stalled_transfer_times_out_and_quarantines_the_landing_blocks(tmp_path) -> None:
+    enc = start_encoder(tmp_path, "--transport", "mock", "--cache-blocks", "8", "--block-size", "64")
+    try:
+        with EncoderCacheClient(enc.target, MODEL, transport_kind="mock", pull_timeout_s=0.3,
+                                landing_blocks=4) as client:
+            client.media_params()
+            faults = client.transport.agent.faults
+            faults.stall = True
+            started = time.monotonic()
+            with pytest.raises(ECLoadFailure) as info:
+                client.encode([MediaSpec.image(image_bytes(64, 64, seed=3))])
+            assert info.value.reason is LoadFailureReason.TIMEOUT
+            assert time.monotonic() - started < 0.3 + 5.0  # our deadline, not a hang
+            landing = client.transport.landing
+            quarantined = set(landing.quarantined_ids().tolist())
+            assert len(quarantined) == 1
+            faults.stall = False
+            # Later pulls never land in the quarantined block, and read correct data.
+            for seed in range(10, 16):
+                img = image_bytes(64, 64, seed=seed)
+                got = client.encode([MediaSpec.image(img)])[0]
+                assert matches(got.embeddings, REF.image(img))
+            assert set(landing.quarantined_ids().tolist()) <= quarantined
+    finally:
+        assert enc.terminate() == 0, enc.log()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_restarted_producer_is_re_handshaken(tmp_path, transport) -> None:
+    port = _free_port()
+    args = ("--transport", transport, "--cache-blocks", "8", "--block-size", "64", "--port", str(port))
+    enc = start_encoder(tmp_path, *args, name="first")
+    img1, img2 = image_bytes(64, 64, seed=21), image_bytes(96, 64, seed=22)
+    try:
+        with EncoderCacheClient(f"127.0.0.1:{port}", MODEL, transport_kind=transport) as client:
+            assert matches(client.encode([MediaSpec.image(img1)])[0].embeddings, REF.image(img1))
+            first = client._conns[client.targets[0]].incarnation_id
+            assert enc.terminate() == 0
+            enc = start_encoder(tmp_path, *args, name="second")
+            got = client.encode([MediaSpec.image(img2)])[0]
+            assert matches(got.embeddings, REF.image(img2))
+            assert client._conns[client.targets[0]].incarnation_id == enc.incarnation_id != first
+    finally:
+        enc.terminate()
+
+
+def test_two_encoders_spread_items_and_fail_over(tmp_path) -> None:
+    a = start_encoder(tmp_path, "--transport", "mock", "--cache-blocks", "32", "--block-size", "64", name="a")
+    b = start_encoder(tmp_path, "--transport", "mock", "--cache-blocks", "32", "--block-size", "64", name="b")
+    images = [image_bytes(64, 64, seed=100 + i) for i in range(12)]
+    try:
+        with EncoderCacheClient([a.target, b.target], MODEL, transport_kind="mock", rpc_timeout_s=3) as client:
+            pulled = client.encode([MediaSpec.image(img) for img in images])
+            assert {p.encoder for p in pulled} == {a.target, b.target}
+            for p, img in zip(pulled, images):
+                assert matches(p.embeddings, REF.image(img))
+            a.kill()
+            more = [image_bytes(64, 64, seed=200 + i) for i in range(8)]
+            pulled = client.encode([MediaSpec.image(img) for img in more])
+            assert {p.encoder for p in pulled} == {b.target}
+            for p, img in zip(pulled, more):
+                assert matches(p.embeddings, REF.image(img))
+    finally:
+        a.kill()
+        assert b.terminate() == 0, b.log()
