@@ -10,15 +10,34 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import subprocess
 import sys
+from pathlib import Path
 
 # subcommand -> (module, function, summary). A function takes argv and returns an exit code.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "encoder": ("encoder_server.cli", "main", "run the encoder service (gRPC + NIXL cache + /metrics)"),
     "prefill": ("prefill_client.cli", "main", "run the reference prefill worker against encoders"),
-    "demo": ("prefill_client.demo", "main", "start an encoder and two prefill workers and run a workload"),
-    "bench": ("prefill_client.bench_cli", "main", "run a benchmark script and print its JSON result"),
+    "demo": ("encoder_server.demo.cli", "main", "start an encoder and two prefill workers and run a workload"),
+    "bench": ("common.cli", "bench_main", "run a script of bench/ (source checkout): epd bench NAME [ARGS]"),
 }
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench_main(argv: list[str]) -> int:
+    """Run ``bench/NAME.py ARGS`` with this interpreter; its last line is its JSON result."""
+    scripts = sorted(p.stem for p in BENCH_DIR.glob("*.py")) if BENCH_DIR.is_dir() else []
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: epd bench NAME [ARGS]\n\nbenchmarks: " + (", ".join(scripts) or
+              "none found (they ship with the source checkout, not the wheel)"))
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in scripts:
+        print(f"epd bench: unknown benchmark {name!r}; choose from {', '.join(scripts) or 'none'}",
+              file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(BENCH_DIR / f"{name}.py"), *rest])
 
 EXIT_NOT_AVAILABLE = 3
 

@@ -60,6 +60,7 @@ __all__ = [
     "TensorAllocator",
 ]
 
+# Float seconds cannot hold "write + 100 ms" exactly; see __init__.
 _HOLD_SLACK_S = 1e-9
 
 # A pure function of the hash, memoized and bounded: an evicted item that
@@ -304,7 +305,9 @@ class EncoderCacheBlocks:
         blocks. Acquire the request's hits first so they are not counted as
         evictable.
         """
-        total = sum(check_block_count(c, f"block_counts[{i}]", self._usable) for i, c in enumerate(block_counts))
+        total = sum(
+            check_block_count(c, f"block_counts[{i}]", self._usable) for i, c in enumerate(block_counts)
+        )
         with self._lock:
             self._now()
             return total <= self._pool.num_free + self._pool.num_held + self._evictable_blocks

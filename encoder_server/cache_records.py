@@ -44,10 +44,14 @@ class CacheOccupancy:
 def check_tokens_per_block(tokens_per_block: Sequence[int], usable: int, block_size: int) -> list[int]:
     """Validated per-block real-token counts of one item, as a new list of ints."""
     counts = list(tokens_per_block)
-    for value in counts:
-        if type(value) is not int:  # slow path: numpy ints, or bad values
-            counts = [_as_int(v, f"tokens_per_block[{i}]") for i, v in enumerate(counts)]
-            break
+    # Fast path, one pass: plain ints in range (allocate is on the request path).
+    if 0 < len(counts) <= usable:
+        for c in counts:
+            if type(c) is not int or not 0 < c <= block_size:
+                break
+        else:
+            return counts
+    counts = [_as_int(c, f"tokens_per_block[{i}]") for i, c in enumerate(counts)]
     if not counts:
         raise ValueError("tokens_per_block is empty: an item needs at least one block")
     if len(counts) > usable:
@@ -55,9 +59,9 @@ def check_tokens_per_block(tokens_per_block: Sequence[int], usable: int, block_s
             f"tokens_per_block names {len(counts)} blocks, more than the cache's "
             f"{usable} usable blocks"
         )
-    if min(counts) < 1 or max(counts) > block_size:
-        i, bad = next((i, c) for i, c in enumerate(counts) if not 1 <= c <= block_size)
-        raise ValueError(f"tokens_per_block[{i}] = {bad} is outside 1..{block_size}")
+    for i, c in enumerate(counts):
+        if not 0 < c <= block_size:
+            raise ValueError(f"tokens_per_block[{i}] = {c} is outside 1..{block_size}")
     return counts
 
 

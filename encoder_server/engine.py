@@ -196,6 +196,7 @@ class EncoderEngine:
         self._batcher: asyncio.Task[None] | None = None
         self._admit_lock: asyncio.Lock | None = None
         self.stats = EngineStats()
+        self._expired_counted = 0  # cache lease expiries already added to the metric
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -321,9 +322,13 @@ class EncoderEngine:
 
     def housekeeping(self) -> None:
         """Reap expired leases, move held blocks past their hold to free, refresh gauges."""
-        expired = self.cache.reap_expired_leases()
-        if expired:
-            self.metrics.leases_expired.inc(expired)
+        self.cache.reap_expired_leases()
+        # Count from the cache's own tally: every cache call also expires due leases
+        # on the way, and those never pass through reap_expired_leases().
+        expired = self.cache.lease_stats.expired
+        if expired > self._expired_counted:
+            self.metrics.leases_expired.inc(expired - self._expired_counted)
+            self._expired_counted = expired
         self.cache.reclaim_held()
         for h in [h for h in self._grids if not self.cache.contains(h)]:
             del self._grids[h]

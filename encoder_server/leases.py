@@ -9,6 +9,12 @@ heap entry behind; the heap is rebuilt from the live leases when stale entries
 outnumber live ones several times over, so memory stays proportional to the
 live leases and every operation stays O(log n) amortized.
 
+Lease ids are random 63-bit numbers, unique among live leases. A release
+arrives as a NIXL notification, and the target of a notification does not
+learn who sent it, so the id itself is the only credential a release
+carries: sequential ids would let any peer release other consumers' leases
+by counting.
+
 Not thread-safe on its own: :class:`~encoder_server.cache_blocks.EncoderCacheBlocks`
 calls it under its lock.
 """
@@ -16,9 +22,9 @@ calls it under its lock.
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
 import math
+import secrets
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -30,6 +36,7 @@ P = TypeVar("P")
 # there are live leases (and is not tiny).
 _COMPACT_RATIO = 4
 _COMPACT_MIN = 64
+LEASE_ID_BITS = 63  # fits int64 and uint64 alike; 0 is never issued
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +72,6 @@ class LeaseTable(Generic[P]):
         if not ttl_s > 0:
             raise ValueError(f"lease ttl must be > 0 seconds, got {ttl_s}")
         self._ttl_s = ttl_s
-        self._ids = itertools.count(1)
         self._live: dict[int, _LiveLease[P]] = {}
         self._expiry: list[tuple[float, int]] = []
         self._released = 0
@@ -84,10 +90,17 @@ class LeaseTable(Generic[P]):
         return LeaseStats(len(self._live), self._released, self._expired, self._rejected)
 
     def grant(self, payload: P, mm_hash: str, owner: str, now: float) -> Lease:
-        lease = Lease(next(self._ids), mm_hash, owner, now + self._ttl_s)
+        lease = Lease(self._new_id(), mm_hash, owner, now + self._ttl_s)
         self._live[lease.lease_id] = _LiveLease(lease, payload)
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         return lease
+
+    def _new_id(self) -> int:
+        """An unguessable id no live lease has (a repeat is astronomically rare, but checked)."""
+        while True:
+            lease_id = secrets.randbits(LEASE_ID_BITS)
+            if lease_id and lease_id not in self._live:
+                return lease_id
 
     def release(self, lease_id: int, owner: str | None, now: float) -> P | None:
         """End a live lease and return its payload; ``None`` (counted) when rejected.

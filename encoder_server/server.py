@@ -35,11 +35,11 @@ from common.errors import ConfigError
 from common.layout import CacheLayout
 from common.metrics import EncoderMetrics
 from common.transport import ProducerTransport, decode_release_notification, resolve_transport_kind
-from common.wire import SERVICE_NAME, pb2, pb2_grpc
+from common.wire import SERVICE_NAME, pb2
 from encoder_server.cache_blocks import EncoderCacheBlocks
 from encoder_server.engine import EncoderEngine
 from encoder_server.preprocess import PreprocessConfig, Preprocessor
-from encoder_server.service import EncoderCacheServicer, params_to_proto
+from encoder_server.service import EncoderCacheServicer, add_to_server, params_to_proto
 from encoder_server.vision import EncoderRunner, load_encoder
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class EncoderServer:
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         assert self.servicer is not None
-        pb2_grpc.add_EncoderCacheServiceServicer_to_server(self.servicer, server)
+        add_to_server(self.servicer, server)  # malformed request bytes -> INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -4,6 +4,11 @@ Every handler maps our errors to their gRPC status with one
 ``context.abort(err.grpc_code, str(err))``; anything unexpected is logged and
 answered ``INTERNAL`` (never ``UNKNOWN``). Work that can block (hashing,
 decoding, the encoder graph, NIXL) runs off the event loop inside the engine.
+
+Requests are registered with :func:`add_to_server`, not the generated
+helper: its deserializers raise inside gRPC on bytes that are not a valid
+message, which the client sees as ``UNKNOWN``. Ours hand the handler a
+:class:`MalformedRequest` instead, answered ``INVALID_ARGUMENT``.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from common.errors import (
     EpdError,
@@ -29,7 +36,7 @@ from common.errors import (
 from common.layout import CacheLayout, dtype_name
 from common.media import PreprocessParams
 from common.metrics import EncoderMetrics
-from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc
+from common.wire import PROTOCOL_VERSION, SERVICE_NAME, pb2, pb2_grpc
 from encoder_server.engine import EncoderEngine, Located, MediaInput
 
 logger = logging.getLogger(__name__)
@@ -71,6 +78,42 @@ def params_to_proto(params: PreprocessParams, fingerprint: str) -> pb2.Preproces
         video_sample_fps=params.video_sample_fps or 0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class MalformedRequest:
+    """What the deserializer hands a handler for bytes that are not a valid request message."""
+
+    message_type: str
+    detail: str
+
+
+def _tolerant(message: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
+    def deserialize(data: bytes) -> Message | MalformedRequest:
+        try:
+            return message.FromString(data)
+        except DecodeError as exc:
+            return MalformedRequest(message.DESCRIPTOR.full_name, str(exc))
+
+    return deserialize
+
+
+def add_to_server(servicer: EncoderCacheServicer, server: grpc.aio.Server) -> None:
+    """Register the service like the generated helper does, with deserializers that never raise."""
+    signatures = {
+        "Handshake": (pb2.HandshakeRequest, pb2.HandshakeResponse),
+        "Encode": (pb2.EncodeRequest, pb2.EncodeResponse),
+        "Lookup": (pb2.LookupRequest, pb2.LookupResponse),
+        "Release": (pb2.ReleaseRequest, pb2.ReleaseResponse),
+    }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=_tolerant(request),
+            response_serializer=response.SerializeToString)
+        for name, (request, response) in signatures.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def _rpc(method: str) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[..., Awaitable[Resp]]]:
     """Count the call and turn errors into statuses."""
 
@@ -79,6 +122,9 @@ def _rpc(method: str) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[...
         async def handler(self: EncoderCacheServicer, request: Any, context: grpc.aio.ServicerContext) -> Resp:
             code = grpc.StatusCode.OK
             try:
+                if isinstance(request, MalformedRequest):
+                    raise InvalidRequestError(
+                        f"{method} request is not a valid {request.message_type}: {request.detail}")
                 return await fn(self, request, context)
             except EpdError as err:
                 code = err.grpc_code

@@ -5,7 +5,10 @@ with the encoders, and prints one line per request: its index, first token,
 time to first token and, for each media item, the cache layer that served
 it (``prefix``, ``local``, ``encoder-hit``, ``encoder-miss``). ``--json``
 adds a summary object as the last line. The worker's ``/metrics`` is served
-while the requests run (and ``--linger-s`` longer).
+while the requests run (and ``--linger-s`` longer; SIGTERM ends the wait and
+the worker exits 0 when every request ran). ``--dump-dir`` keeps the rows the
+worker merged for each request and item (see :mod:`prefill_client.dump`), so
+another process can check them against its own encode.
 
 Exit status: 0 when every request ran, 1 on ``ECLoadFailure`` (the worker
 could not prove an embedding), 2 on any other error (bad flags, bad
@@ -18,15 +21,19 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from common.config import PrefillConfig, add_arguments, build
 from common.errors import ConfigError, ECLoadFailure, EpdError
 from common.metrics import PrefillMetrics
 from prefill_client.chat import ChatRequest, load_requests
+from prefill_client.dump import MergeRecorder, write_request
 from prefill_client.tokenizer import token_name
 from prefill_client.worker import PrefillResult, PrefillWorker, WorkerLimits
 
@@ -34,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_LOAD_FAILURE = 1
 EXIT_ERROR = 2
+EXIT_TERMINATED = 128 + signal.SIGTERM
 MAX_LINGER_S = 3600.0
 
 _METRICS = (
@@ -59,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="write {'metrics_port', 'pid'} as JSON here once /metrics is up")
     parser.add_argument("--linger-s", type=float, default=0.0, metavar="S",
                         help=f"keep /metrics up this long after the last request (at most {MAX_LINGER_S:.0f})")
+    parser.add_argument("--dump-dir", default=None, metavar="DIR",
+                        help="write the rows merged for each request and item, and one JSON line per "
+                             "request, into DIR (created if missing)")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     return parser
 
@@ -80,11 +91,18 @@ def result_json(index: int, result: PrefillResult) -> dict[str, Any]:
 
 
 def run_requests(
-    worker: PrefillWorker, requests: Sequence[ChatRequest], out: TextIO, results: list[PrefillResult]
+    worker: PrefillWorker, requests: Sequence[ChatRequest], out: TextIO, results: list[PrefillResult],
+    on_result: Callable[[int, PrefillResult], None] | None = None,
 ) -> None:
-    """Prefill each request in order, printing its line and appending to ``results``; errors propagate."""
+    """Prefill each request in order, printing its line and appending to ``results``; errors propagate.
+
+    ``on_result`` runs before the request's line is printed, so whoever reads
+    the lines finds what it wrote already there.
+    """
     for request in requests:
         result = worker.prefill(request)
+        if on_result is not None:
+            on_result(len(results), result)
         print(result_line(len(results), result), file=out, flush=True)
         results.append(result)
 
@@ -135,6 +153,27 @@ def build_worker(cfg: PrefillConfig, metrics: PrefillMetrics) -> tuple[Closeable
     return client, worker
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind (closing the client) instead of dying mid-way."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+def _dumper(dump_dir: str, worker: PrefillWorker) -> Callable[[int, PrefillResult], None]:
+    """Wrap the worker's row store in a recorder; the hook writes each request's dump."""
+    path = Path(dump_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    recorder = MergeRecorder(worker.rows)
+    worker.rows = recorder
+
+    def write(index: int, result: PrefillResult) -> None:
+        write_request(path, index, result_json(index, result), recorder.take())
+
+    return write
+
+
 def _write_ready(path: str, metrics_port: int) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -173,15 +212,27 @@ def main(argv: list[str], make_worker: WorkerFactory = build_worker) -> int:
     client: Closeable | None = None
     results: list[PrefillResult] = []
     where = "start-up"
+    # Signal handlers can only be set from the main thread (tests call main from others).
+    old_handler = None
+    if threading.current_thread() is threading.main_thread():
+        old_handler = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         client, worker = make_worker(cfg, metrics)
+        on_result = _dumper(args.dump_dir, worker) if args.dump_dir else None
         where = "request"
-        run_requests(worker, requests, sys.stdout, results)
+        run_requests(worker, requests, sys.stdout, results, on_result)
+        where = "linger"
         if args.json:
             print(json.dumps(summary(worker, results)), flush=True)
         if args.linger_s and httpd is not None:
             time.sleep(args.linger_s)
         return 0
+    except Terminated:
+        # Terminated while lingering: every request ran, that is a clean exit.
+        if where == "linger":
+            return 0
+        print(f"epd prefill: terminated during {where} after {len(results)} requests", file=sys.stderr)
+        return EXIT_TERMINATED
     except (EpdError, grpc.RpcError) as exc:
         at = f"request {len(results)}" if where == "request" else where
         if isinstance(exc, grpc.RpcError):
@@ -190,6 +241,8 @@ def main(argv: list[str], make_worker: WorkerFactory = build_worker) -> int:
             print(f"epd prefill: {at}: {exc}", file=sys.stderr)
         return EXIT_LOAD_FAILURE if isinstance(exc, ECLoadFailure) else EXIT_ERROR
     finally:
+        if old_handler is not None:
+            signal.signal(signal.SIGTERM, old_handler)
         if client is not None:
             client.close()
         if httpd is not None:

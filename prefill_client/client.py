@@ -61,6 +61,48 @@ _RETRYABLE = {
 }
 
 
+def check_location(loc: pb2.ItemLocation, block_size: int) -> None:
+    """``ECLoadFailure(token_count)`` unless ``loc``'s blocks can hold exactly its tokens."""
+    tpb = list(loc.tokens_per_block)
+    if (not loc.block_ids or len(tpb) != len(loc.block_ids) or sum(tpb) != loc.num_tokens
+            or any(not 0 < n <= block_size for n in tpb)):
+        raise ECLoadFailure(
+            LoadFailureReason.TOKEN_COUNT, loc.mm_hash,
+            detail=f"blocks {list(loc.block_ids)} with tokens {tpb} do not hold {loc.num_tokens} tokens")
+
+
+def verify_item(loc: pb2.ItemLocation, tags: np.ndarray, gens: np.ndarray) -> None:
+    """Prove that rows READ for ``loc`` are its item, from the tags and generations READ *after* them.
+
+    ``tags[j]`` and ``gens[j]`` are what block ``loc.block_ids[j]`` carried
+    when the second READ ran. The expected fingerprint is recomputed here from
+    the ``mm_hash`` (the location's own copy is only cross-checked). Raises
+    :class:`ECLoadFailure` (``tag_mismatch`` or ``generation_mismatch``)
+    naming the first block that does not prove it; returns quietly otherwise.
+    """
+    n = len(loc.block_ids)
+    if len(tags) != n or len(gens) != n:
+        raise ValueError(f"{n} blocks but {len(tags)} tags and {len(gens)} generations")
+    expected = mm_hash_fingerprint(loc.mm_hash)
+    if loc.fingerprint != expected:
+        raise ECLoadFailure(LoadFailureReason.TAG_MISMATCH, loc.mm_hash,
+                            detail=f"location fingerprint {loc.fingerprint} != {expected}")
+    for j, block in enumerate(loc.block_ids):
+        tag, gen = int(tags[j]), int(gens[j])
+        if tag != expected:
+            raise ECLoadFailure(LoadFailureReason.TAG_MISMATCH, loc.mm_hash, block=block,
+                                expected=expected, got=tag)
+        if gen != loc.generation:
+            raise ECLoadFailure(LoadFailureReason.GENERATION_MISMATCH, loc.mm_hash, block=block,
+                                expected=loc.generation, got=gen)
+
+
+def gather_rows(landing: torch.Tensor, local_ids: np.ndarray, tokens_per_block: Sequence[int]) -> torch.Tensor:
+    """The item's rows out of landing blocks ``local_ids``, as a new tensor (landing blocks get reused)."""
+    rows = [landing[int(b), :n] for b, n in zip(local_ids, tokens_per_block)]
+    return torch.cat(rows) if len(rows) > 1 else rows[0].clone()
+
+
 @dataclass(frozen=True, slots=True)
 class PulledItem:
     """A verified item: its rows and where they came from."""
@@ -175,7 +217,14 @@ class EncoderCacheClient:
                 continue
             target = self._where.get(h) or self._pick(h)[0]
             conn = self._conns[target]
-            loc = conn.lookup([h])[0]
+            try:
+                loc = conn.lookup([h])[0]
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                # As for encode: an encoder that does not answer is a loud ECLoadFailure, not a raw status.
+                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=h,
+                                 detail=f"encoder {target} unreachable: {exc.code().name}") from exc
             if loc is None and require:
                 raise self._fail(LoadFailureReason.EVICTED, [], detail=f"{h} is no longer on encoder {target}",
                                  mm_hash=h)
@@ -230,7 +279,7 @@ class EncoderCacheClient:
             except _EncoderDown as exc:
                 logger.warning("encoder %s is down (%s); trying the next one", target, exc)
                 last_exc = exc
-        raise ECLoadFailure(LoadFailureReason.HANDSHAKE, key, detail=f"no encoder reachable: {last_exc}")
+        raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=key, detail=f"no encoder reachable: {last_exc}")
 
     # --- encode + pull ----------------------------------------------------------------------
 
@@ -328,34 +377,27 @@ class EncoderCacheClient:
         out: list[PulledItem] = []
         offset = 0
         for loc in locs:
-            expected = mm_hash_fingerprint(loc.mm_hash)
-            if loc.fingerprint != expected:
-                raise self._fail(LoadFailureReason.TAG_MISMATCH, [loc],
-                                 f"location fingerprint {loc.fingerprint} != {expected}")
-            rows = []
-            for j, block in enumerate(loc.block_ids):
-                tag, gen = int(tags[offset + j]), int(gens[offset + j])
-                if tag != expected:
-                    raise self._fail(LoadFailureReason.TAG_MISMATCH, [loc], block=block, expected=expected, got=tag)
-                if gen != loc.generation:
-                    raise self._fail(LoadFailureReason.GENERATION_MISMATCH, [loc], block=block,
-                                     expected=loc.generation, got=gen)
-                rows.append(buffer[int(local[offset + j]), : loc.tokens_per_block[j]])
-            offset += len(loc.block_ids)
-            embeddings = torch.cat(rows) if len(rows) > 1 else rows[0].clone()
+            n = len(loc.block_ids)
+            try:
+                verify_item(loc, tags[offset:offset + n], gens[offset:offset + n])
+            except ECLoadFailure as exc:
+                self.metrics.load_failures.labels(reason=exc.reason.value).inc()
+                raise
+            embeddings = gather_rows(buffer, local[offset:offset + n], loc.tokens_per_block)
+            offset += n
             item = PulledItem(loc.mm_hash, embeddings, tuple(loc.grid_thw), conn.target,
                               "hit" if loc.result == pb2.CACHE_RESULT_HIT else "miss")
-            self._local.put(item, len(loc.block_ids))
+            self._local.put(item, n)
             self._where[loc.mm_hash] = conn.target
             out.append(item)
         return out
 
     def _check_location(self, loc: pb2.ItemLocation, block_size: int) -> None:
-        tpb = list(loc.tokens_per_block)
-        if (not loc.block_ids or len(tpb) != len(loc.block_ids) or sum(tpb) != loc.num_tokens
-                or any(not 0 < n <= block_size for n in tpb)):
-            raise self._fail(LoadFailureReason.TOKEN_COUNT, [loc],
-                             f"blocks {list(loc.block_ids)} with tokens {tpb} do not hold {loc.num_tokens} tokens")
+        try:
+            check_location(loc, block_size)
+        except ECLoadFailure as exc:
+            self.metrics.load_failures.labels(reason=exc.reason.value).inc()
+            raise
 
     def _fail(self, reason: LoadFailureReason, locs: Sequence[pb2.ItemLocation], detail: str = "",
               *, mm_hash: str = "", block: int | None = None, expected: object = None,
@@ -385,4 +427,7 @@ class AsyncEncoderCacheClient:
         await asyncio.to_thread(self.client.close)
 
 
-__all__ = ["AsyncEncoderCacheClient", "EncoderCacheClient", "HandshakeError", "PulledItem"]
+__all__ = [
+    "AsyncEncoderCacheClient", "EncoderCacheClient", "HandshakeError", "PulledItem", "check_location",
+    "gather_rows", "verify_item",
+]

@@ -136,7 +136,12 @@ class EncoderConnection:
 
     @staticmethod
     def _open_channel(target: str, tls: TlsConfig) -> grpc.Channel:
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        options = [
+            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+            # gRPC's default back-off between reconnects grows to two minutes, and calls fail at
+            # once meanwhile: a restarted encoder would stay unreachable long after it is up.
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         if tls.ca or tls.cert:
             def read(path: str | None) -> bytes | None:
                 if path is None:

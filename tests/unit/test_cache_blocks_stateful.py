@@ -1,10 +1,12 @@
 """Stateful property test of the encoder's block allocator against a reference model.
 
 Random sequences of allocate / mark_written / acquire / release / free / evict /
-touch / admission queries / clock advances. Time is kept in ticks of 1/1024 s
-and holds and lease TTLs are multiples of 125 ms, so every clock value and
-deadline is exact in binary floating point and the model can demand exact
-agreement on when a block becomes reusable and when a lease expires.
+touch / admission queries / clock advances, checked step by step against a
+model. Time is kept in ticks of 1/1024 s and holds and lease TTLs are multiples
+of 125 ms, so clock values and deadlines are exact in binary floating point and
+the model demands exact agreement on when a block becomes reusable and when a
+lease expires; one rule jumps to one tick before, or exactly onto, the next
+deadline.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ TICKS_PER_S = 1024
 BLOCK_SIZE = 4
 NAMES = [f"h{i}" for i in range(5)]
 OWNERS = ["p", "q"]
-UNKNOWN_LEASE = 10**9
+UNKNOWN_LEASE = 0  # never issued
 
 
 def ms_to_ticks(ms: int) -> int:
@@ -64,7 +66,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.ticks = 0
 
     @initialize(
-        num_blocks=st.integers(3, 10),
+        num_blocks=st.integers(3, 7),
         hold_ms=st.sampled_from([0, 125, 250]),
         ttl_ms=st.sampled_from([125, 500, 1000]),
     )
@@ -204,11 +206,14 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), owner=st.sampled_from([None, *OWNERS]))
     def release(self, data: st.DataObject, owner: str | None) -> None:
-        live = sorted(i for i, le in self.leases.items() if self.live(le))
+        # Grant order, not id order: ids are random, and the draws must not depend on them.
+        live = [i for i, le in self.leases.items() if self.live(le)]
         if live and data.draw(st.integers(0, 3)) > 0:
-            lease_id = data.draw(st.sampled_from(live))
+            lease_id = live[data.draw(st.integers(0, len(live) - 1))]
         else:  # an ended, expired or unknown lease
-            lease_id = data.draw(st.sampled_from(sorted(self.leases) + [UNKNOWN_LEASE]))
+            known = list(self.leases)
+            pick = data.draw(st.integers(0, len(known)))
+            lease_id = known[pick] if pick < len(known) else UNKNOWN_LEASE
         lease = self.leases.get(lease_id)
         expected = lease is not None and self.live(lease) and owner in (None, lease.owner)
         assert self.cache.release(lease_id, owner=owner) == expected
@@ -227,7 +232,7 @@ class CacheMachine(RuleBasedStateMachine):
         if self.pinned(item):
             self.doomed.append(item)
 
-    @rule(needed=st.integers(0, 4))
+    @rule(needed=st.integers(0, 6))
     def evict(self, needed: int) -> None:
         needed = min(needed, self.usable)
         have = len(self.idle_blocks())
@@ -245,9 +250,16 @@ class CacheMachine(RuleBasedStateMachine):
         for h in evicted:
             self.release_blocks(self.present.pop(h))
 
-    @rule(ticks=st.one_of(st.integers(0, 40), st.integers(100, 300)))
-    def advance(self, ticks: int) -> None:
-        self.ticks += ticks
+    @rule(ticks=st.one_of(st.integers(0, 40), st.integers(100, 300)),
+          to_deadline=st.sampled_from([None, -1, 0]))
+    def advance(self, ticks: int, to_deadline: int | None) -> None:
+        """Forward by ``ticks``, or to one tick before / exactly at the next hold end or lease expiry."""
+        deadlines = [le.expires for le in self.leases.values() if self.live(le)]
+        deadlines += [at for at in self.reusable_at.values() if at > self.ticks]
+        if to_deadline is None or not deadlines:
+            self.ticks += ticks
+        else:
+            self.ticks = max(self.ticks, int(min(deadlines)) + to_deadline)
 
     @rule(data=st.data(), query=st.sampled_from(["can_admit", "hint", "reap", "touch"]))
     def query(self, data: st.DataObject, query: str) -> None:

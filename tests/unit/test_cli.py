@@ -16,3 +16,10 @@ def test_unknown_command_fails(venv_bin) -> None:
     result = subprocess.run([str(venv_bin / "epd"), "frobnicate"], capture_output=True, text=True)
     assert result.returncode != 0
     assert "frobnicate" in result.stderr
+
+
+def test_bench_lists_and_refuses_unknown_scripts(venv_bin) -> None:
+    listing = subprocess.run([str(venv_bin / "epd"), "bench", "--help"], capture_output=True, text=True)
+    assert listing.returncode == 0 and "merge" in listing.stdout
+    unknown = subprocess.run([str(venv_bin / "epd"), "bench", "no-such-bench"], capture_output=True, text=True)
+    assert unknown.returncode == 2 and "no-such-bench" in unknown.stderr

@@ -1,0 +1,382 @@
+"""One producer incarnation as seen by a consumer: prepped dlists, block and tag READs (prefill process).
+
+A :class:`ProducerPeer` is built by :meth:`ConsumerTransport.connect` from
+the handshake's plain numbers. Its remote dlists are prepped once; each
+request is one ``make_prepped_xfer`` on int32 indices, so nothing is built
+per descriptor on the request path.
+
+Reads are synchronous and block a thread: call them from a worker thread
+(``asyncio.to_thread``), never on an event loop (they refuse to), or use the
+``*_async`` variants. Every NIXL call holds the consumer's agent lock; the
+waits between polls do not. The deadline is checked between NIXL calls (a
+same-host cross-memory-attach copy inside ``transfer()`` is not interruptible).
+
+Outcomes: :class:`~common.errors.TransferTimeout` when the deadline passes
+(the READ's slots are quarantined, see :mod:`common.transport.landing`);
+:class:`~common.errors.PeerDisconnected` when NIXL reports the remote agent
+gone (the peer closes itself; handshake again and ``connect`` anew);
+:class:`~common.errors.TransportError` for a failed transfer (the peer closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from common.errors import PeerDisconnected, TransferTimeout, TransportError
+from common.transport.binding import AgentLike, TransferState, binding_errors, is_binding_error, translate_error
+from common.transport.landing import LandingPool, QuietProbe, SlotPool
+from common.transport.regions import RegionDesc
+
+logger = logging.getLogger(__name__)
+
+# The consumer's agent has no progress thread: these polls drive its UCX
+# worker. Poll back to back for SPIN_S (a same-host READ completes within
+# microseconds), then yield the CPU between polls (measured on 2 cores: a
+# busy poll starves the producer and took a tag READ from 0.1 ms to 11 ms)
+# until YIELD_S, then sleep between polls, backing off to MAX_PAUSE_S.
+SPIN_S = 50e-6
+YIELD_S = 20e-3
+FIRST_PAUSE_S = 100e-6
+MAX_PAUSE_S = 1e-3
+PROBE_LOCK_WAIT_S = 0.05
+
+
+@dataclass(slots=True)
+class LocalSide:
+    """What every peer of one consumer shares: its agent, lock, pools and local dlists."""
+
+    agent: AgentLike
+    lock: threading.Lock
+    landing: LandingPool
+    tag_slots: SlotPool
+    tag_values: np.ndarray  # int64 [2, tag_slots.size]: fingerprints, generations
+    blocks_dlist: Any
+    tags_dlist: Any
+    on_closed: Callable[[ProducerPeer], None]
+    on_drained: Callable[[ProducerPeer], None]
+
+
+def _require_off_event_loop(what: str) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(f"{what} blocks; call it from a worker thread (asyncio.to_thread) or use {what}_async")
+
+
+def _indices(ids: object, limit: int, what: str) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what}s must be a non-empty 1-D integer array, got {ids!r}")
+    bad = arr[(arr < 0) | (arr >= limit)]
+    if bad.size:
+        raise ValueError(f"{what} {int(bad[0])} is outside 0..{limit - 1}")
+    return arr.astype(np.int32, copy=False)
+
+
+class ProducerPeer:
+    """A producer incarnation's regions, prepped for READs by one consumer agent."""
+
+    def __init__(
+        self,
+        side: LocalSide,
+        *,
+        agent_name: str,
+        incarnation_id: str,
+        metadata: bytes,
+        buffer_region: RegionDesc,
+        tag_region: RegionDesc,
+        generation_region: RegionDesc,
+        blocks_dlist: Any,
+        tags_dlist: Any,
+    ) -> None:
+        self._side = side
+        self.agent_name = agent_name
+        self.incarnation_id = incarnation_id
+        self.metadata = metadata
+        self.buffer_region = buffer_region
+        self.tag_region = tag_region
+        self.generation_region = generation_region
+        self.num_blocks = buffer_region.count
+        self._blocks_dlist = blocks_dlist
+        self._tags_dlist = tags_dlist
+        self._state_lock = threading.Lock()
+        self._closed: str | None = None
+        self._outstanding = 0  # posted transfers neither finished nor proven quiet
+
+    def __repr__(self) -> str:
+        state = f"closed: {self._closed}" if self._closed else "open"
+        return f"ProducerPeer({self.agent_name}, incarnation {self.incarnation_id[:8]}, {state})"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    @property
+    def outstanding_transfers(self) -> int:
+        """Transfers still in flight or quarantined and unproven; the remote agent stays until 0."""
+        return self._outstanding
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def read_blocks(self, remote_ids: np.ndarray, local_ids: np.ndarray, deadline: float) -> None:
+        """READ remote blocks ``remote_ids[i]`` into landing blocks ``local_ids[i]`` by ``deadline``.
+
+        ``local_ids`` must be held (from ``landing.acquire``). On
+        ``TransferTimeout`` they belong to the quarantine; releasing them
+        afterwards is a harmless no-op.
+        """
+        _require_off_event_loop("read_blocks")
+        self._check_open()
+        side = self._side
+        remote = _indices(remote_ids, self.num_blocks, "remote block id")
+        local = _indices(local_ids, side.landing.num_blocks, "landing block id")
+        if remote.size != local.size:
+            raise ValueError(f"{remote.size} remote block ids but {local.size} landing block ids")
+        side.landing.check_held(local)
+
+        def quarantine(probe: QuietProbe) -> None:
+            side.landing.quarantine(local, probe)
+
+        self._read("block READ", side.blocks_dlist, local, self._blocks_dlist, remote, b"", deadline,
+                   quarantine)
+
+    def read_tags(
+        self, remote_ids: np.ndarray, deadline: float, notif: bytes = b""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """READ the tags and generations of ``remote_ids``: ``(fingerprints, generations)`` int64.
+
+        Call it only after ``read_blocks`` returned: a matching tag read
+        after the data proves the data. ``notif`` (the lease release) rides
+        on this READ: NIXL delivers it to the producer when the READ
+        completes, and the READ completes only once it is out. (Sent on its
+        own instead, a notification stays queued until this agent next makes
+        progress, and the next READ waits for the producer anyway:
+        measured, no faster.) The tags land in tag slots of this consumer;
+        on ``TransferTimeout`` those are quarantined (the caller's landing
+        blocks are not touched by this READ).
+        """
+        _require_off_event_loop("read_tags")
+        self._check_open()
+        side = self._side
+        remote = _indices(remote_ids, self.num_blocks, "remote block id")
+        slots = side.tag_slots.acquire(remote.size)
+        if slots is None:
+            raise TransportError(
+                f"no free tag slots for {remote.size} tags ({side.tag_slots.num_quarantined} of "
+                f"{side.tag_slots.size} quarantined by timed-out reads)")
+        quarantined = False
+
+        def quarantine(probe: QuietProbe) -> None:
+            nonlocal quarantined
+            side.tag_slots.quarantine(slots, probe)
+            quarantined = True
+
+        try:
+            width = side.tag_slots.size
+            local_idx = np.concatenate((slots, slots + width)).astype(np.int32, copy=False)
+            remote_idx = np.concatenate((remote, remote + self.num_blocks)).astype(np.int32, copy=False)
+            self._read("tag READ", side.tags_dlist, local_idx, self._tags_dlist, remote_idx, bytes(notif),
+                       deadline, quarantine)
+            return side.tag_values[0, slots], side.tag_values[1, slots]  # fancy indexing copies
+        finally:
+            if not quarantined:
+                side.tag_slots.release(slots)
+
+    async def read_blocks_async(self, remote_ids: np.ndarray, local_ids: np.ndarray, deadline: float) -> None:
+        await asyncio.to_thread(self.read_blocks, remote_ids, local_ids, deadline)
+
+    async def read_tags_async(
+        self, remote_ids: np.ndarray, deadline: float, notif: bytes = b""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        return await asyncio.to_thread(self.read_tags, remote_ids, deadline, notif)
+
+    # --- the transfer loop ---------------------------------------------------------------------
+
+    def _read(
+        self,
+        what: str,
+        local_dlist: Any,
+        local_idx: np.ndarray,
+        remote_dlist: Any,
+        remote_idx: np.ndarray,
+        notif: bytes,
+        deadline: float,
+        quarantine: Callable[[QuietProbe], None],
+    ) -> None:
+        action = f"{what} of {local_idx.size} descriptors from {self.agent_name}"
+        try:
+            handle, state = self._post(action, local_dlist, local_idx, remote_dlist, remote_idx, notif,
+                                       deadline, quarantine)
+            if state is TransferState.PROCESSING:
+                state = self._wait(action, handle, deadline, quarantine)
+        except PeerDisconnected as exc:
+            self._teardown(f"disconnected: {exc}")
+            raise
+        if state is TransferState.ERROR:
+            self._teardown(f"{what} failed")
+            raise TransportError(f"{action}: transfer failed (state ERR); the peer is closed")
+
+    def _post(
+        self,
+        action: str,
+        local_dlist: Any,
+        local_idx: np.ndarray,
+        remote_dlist: Any,
+        remote_idx: np.ndarray,
+        notif: bytes,
+        deadline: float,
+        quarantine: Callable[[QuietProbe], None],
+    ) -> tuple[Any, TransferState]:
+        """Make and post the READ. An in-flight handle counts as outstanding until released."""
+        side = self._side
+        if not side.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            quarantine(lambda: True)  # nothing was posted: quiet at the next sweep
+            raise TransferTimeout(f"{action}: agent busy past the deadline")
+        handle: Any = None
+        try:
+            self._check_open()
+            with binding_errors(action):
+                handle = side.agent.make_prepped_xfer(
+                    "READ", local_dlist, local_idx, remote_dlist, remote_idx, notif)
+                state = TransferState.parse(side.agent.transfer(handle))
+            if state is TransferState.PROCESSING:
+                with self._state_lock:
+                    self._outstanding += 1
+                return handle, state
+            self._release_locked(handle)  # finished at post (a same-host copy) or failed
+            return None, state
+        except BaseException:
+            if handle is not None:  # refused at post: nothing is in flight
+                self._release_locked(handle)
+            raise
+        finally:
+            side.lock.release()
+
+    def _wait(
+        self, action: str, handle: Any, deadline: float, quarantine: Callable[[QuietProbe], None]
+    ) -> TransferState:
+        """Poll ``handle`` until it finishes (released) or the deadline passes (quarantined)."""
+        side = self._side
+        started = time.monotonic()
+        pause = FIRST_PAUSE_S
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                quarantine(self._quiet_probe(handle))  # the probe owns the handle from here
+                raise TransferTimeout(f"{action}: not complete by its deadline ({now - deadline:.3f} s ago)")
+            if now - started < SPIN_S:
+                pass
+            elif now - started < YIELD_S:
+                time.sleep(0)
+            else:
+                time.sleep(min(pause, deadline - now))
+                pause = min(pause * 2, MAX_PAUSE_S)
+            if not side.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                continue
+            try:
+                with binding_errors(action):
+                    state = TransferState.parse(side.agent.check_xfer_state(handle))
+            except PeerDisconnected:
+                self._release_locked(handle)  # a dead endpoint delivers nothing more
+                side.lock.release()
+                self._finished()
+                raise
+            except TransportError:
+                # The state is unknown, so the data may still come: quarantine, do not release.
+                side.lock.release()
+                quarantine(self._quiet_probe(handle))
+                raise
+            except BaseException:
+                side.lock.release()
+                raise
+            if state is TransferState.PROCESSING:
+                side.lock.release()
+                continue
+            self._release_locked(handle)
+            side.lock.release()
+            self._finished()
+            return state
+
+    def _release_locked(self, handle: Any) -> None:
+        """Release a transfer handle that can no longer write (caller holds the agent lock)."""
+        try:
+            with binding_errors("release transfer handle"):
+                self._side.agent.release_xfer_handle(handle)
+        except TransportError as exc:
+            logger.warning("releasing a transfer handle of %s failed: %s", self.agent_name, exc)
+
+    def _finished(self) -> None:
+        """One outstanding transfer ended; a closed peer with none left lets its agent go."""
+        with self._state_lock:
+            self._outstanding -= 1
+            drained = self._closed is not None and self._outstanding == 0
+        if drained:
+            self._side.on_drained(self)
+
+    def _quiet_probe(self, handle: Any) -> QuietProbe:
+        """A proof that the timed-out transfer ``handle`` can no longer write (see landing.py)."""
+        side = self._side
+        proven = False
+
+        def probe() -> bool:
+            nonlocal proven
+            if proven:
+                return True
+            if not side.lock.acquire(timeout=PROBE_LOCK_WAIT_S):
+                return False
+            try:
+                try:
+                    state = TransferState.parse(side.agent.check_xfer_state(handle))
+                except Exception as exc:
+                    if not is_binding_error(exc):
+                        raise
+                    if not isinstance(translate_error(exc, "poll"), PeerDisconnected):
+                        return False  # e.g. the remote agent was removed: no proof either way
+                    state = TransferState.ERROR  # a dead endpoint delivers nothing more
+                if state is TransferState.PROCESSING:
+                    return False
+                self._release_locked(handle)
+                proven = True
+            finally:
+                side.lock.release()
+            self._finished()
+            return True
+
+        return probe
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise PeerDisconnected(
+                f"peer {self.agent_name} (incarnation {self.incarnation_id}) is closed ({self._closed}); "
+                f"handshake again")
+
+    def close(self) -> None:
+        """Release the remote dlists; the consumer removes the remote agent once nothing is in flight."""
+        self._teardown("closed")
+
+    def _teardown(self, reason: str) -> None:
+        with self._state_lock:
+            if self._closed is not None:
+                return
+            self._closed = reason
+        side = self._side
+        logger.info("closing peer %s (incarnation %s): %s", self.agent_name, self.incarnation_id[:8], reason)
+        with side.lock:
+            for dlist in (self._blocks_dlist, self._tags_dlist):
+                try:
+                    with binding_errors("release remote dlist"):
+                        side.agent.release_dlist_handle(dlist)
+                except TransportError as exc:
+                    logger.warning("releasing a dlist of %s failed: %s", self.agent_name, exc)
+        side.on_closed(self)

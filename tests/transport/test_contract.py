@@ -1,0 +1,206 @@
+"""The transport contract, against the mock agent and real NIXL, with the producer in another process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from common.errors import PeerDisconnected, TransferTimeout
+from common.transport import (
+    ConsumerTransport,
+    ProducerPeer,
+    decode_release_notification,
+    encode_release_notification,
+    sweep_stale_segments,
+)
+from tests.transport.harness import FIXED_ADDRESS, HelperLayout, ProducerProcess
+
+LAYOUT = HelperLayout()
+USABLE_BLOCKS = LAYOUT.num_blocks - 1  # the last block is scratch
+
+
+def soon(seconds: float = 5.0) -> float:
+    return time.monotonic() + seconds
+
+
+def tag_of(seed: int, block: int) -> int:
+    return seed * 1000 + block  # what the helper's fill(seed) stamps
+
+
+@pytest.fixture(scope="module")
+def producers_pair(kind: str) -> Iterator[tuple[ProducerProcess, ProducerProcess]]:
+    """The producer every test reads from, and the one that replaces it after it is killed.
+
+    Both map their regions at the same addresses. The first uses TCP lanes
+    only (``UCX_TLS=tcp,self``): then a frozen producer stalls block READs
+    too (cross-memory-attach would copy from a stopped process); the mock
+    agent behaves that way anyway. The second uses UCX's default lanes. It is
+    started now, in parallel, to save time; the consumer meets it only after
+    the first is killed, as a restarted producer.
+    """
+    first = ProducerProcess(kind, seed=3, address=FIXED_ADDRESS, env={"UCX_TLS": "tcp,self"})
+    second = ProducerProcess(kind, seed=8, address=FIXED_ADDRESS)
+    try:
+        yield first, second
+    finally:
+        first.kill()
+        second.kill()
+        sweep_stale_segments()
+
+
+@pytest.fixture(scope="module")
+def producer(producers_pair: tuple[ProducerProcess, ProducerProcess]) -> ProducerProcess:
+    return producers_pair[0]
+
+
+@pytest.fixture(scope="module")
+def consumer(kind: str) -> Iterator[ConsumerTransport]:
+    transport = ConsumerTransport(kind, num_landing_blocks=16)
+    yield transport
+    transport.close()
+
+
+@pytest.fixture(scope="module")
+def peer(consumer: ConsumerTransport, producer: ProducerProcess) -> ProducerPeer:
+    return consumer.connect(producer.handshake, endpoint="encoder-0")
+
+
+def test_random_block_subsets_land_exactly(consumer: ConsumerTransport, producer: ProducerProcess,
+                                           peer: ProducerPeer) -> None:
+    rng = np.random.default_rng(1234)
+    landing = consumer.landing
+    for _ in range(12):
+        n = int(rng.integers(1, landing.num_blocks + 1))
+        remote = rng.choice(USABLE_BLOCKS, size=n, replace=False).astype(np.int32)
+        held = landing.acquire(landing.num_blocks)
+        assert held is not None
+        local = rng.permutation(held)[:n].astype(np.int32)
+        landing.tensor.fill_(-7.0)
+        try:
+            peer.read_blocks(remote, local, soon())
+            for r, lid in zip(remote.tolist(), local.tolist(), strict=True):
+                assert torch.equal(landing.tensor[lid], producer.reference(r)), (r, lid)
+            untouched = np.setdiff1d(held, local)
+            assert bool((landing.tensor[untouched] == -7.0).all())
+        finally:
+            landing.release(held)
+
+
+def test_tags_and_generations_are_a_second_read_after_the_blocks(
+        consumer: ConsumerTransport, producer: ProducerProcess, peer: ProducerPeer) -> None:
+    seed = producer.seed
+    remote = np.array([4, 9, 2], dtype=np.int32)
+    landing = consumer.landing
+    local = landing.acquire(3)
+    assert local is not None
+    try:
+        peer.read_blocks(remote, local, soon())
+        producer.stamp(9, 777, 42)  # block 9 is reused between the two READs
+        fingerprints, generations = peer.read_tags(remote, soon())
+    finally:
+        landing.release(local)
+        producer.stamp(9, tag_of(seed, 9), seed)
+    assert fingerprints.dtype == np.int64 and generations.dtype == np.int64
+    assert fingerprints.tolist() == [tag_of(seed, 4), 777, tag_of(seed, 2)]
+    assert generations.tolist() == [seed, 42, seed]
+    for r, lid in zip(remote.tolist(), local.tolist(), strict=True):
+        assert torch.equal(landing.tensor[lid], producer.reference(r))
+
+
+def test_lease_release_notification_reaches_the_producer(producer: ProducerProcess, peer: ProducerPeer) -> None:
+    leases = [7, (1 << 64) - 1, 123_456_789]
+    fingerprints, _ = peer.read_tags(np.array([1], dtype=np.int32), soon(),
+                                     notif=encode_release_notification(leases))
+    assert fingerprints.tolist() == [tag_of(producer.seed, 1)]
+    messages = producer.drain(expect=1)
+    assert [decode_release_notification(m) for m in messages] == [leases]
+
+
+def test_stalled_peer_times_out_on_time_and_quarantines_until_quiet(
+        consumer: ConsumerTransport, producer: ProducerProcess, peer: ProducerPeer) -> None:
+    landing = consumer.landing
+    remote = np.array([3, 11], dtype=np.int32)
+    producer.pause()
+    try:
+        stuck = landing.acquire(2)
+        assert stuck is not None
+        landing.tensor[stuck] = 0
+        deadline = soon(0.3)
+        with pytest.raises(TransferTimeout):
+            peer.read_blocks(remote, stuck, deadline)
+        assert time.monotonic() - deadline < 0.1
+        assert sorted(landing.quarantined_ids().tolist()) == sorted(stuck.tolist())
+        landing.release(stuck)  # a no-op: they belong to the quarantine now
+        assert sorted(landing.quarantined_ids().tolist()) == sorted(stuck.tolist())
+
+        deadline = soon(0.3)
+        with pytest.raises(TransferTimeout):
+            peer.read_tags(remote, deadline, notif=encode_release_notification([1]))
+        assert time.monotonic() - deadline < 0.1
+
+        # Frozen producer: nothing is proven quiet, the quarantined blocks are never handed out.
+        assert consumer.sweep_quarantine() == 0
+        for _ in range(3):
+            others = landing.acquire(landing.num_blocks - 2)
+            assert others is not None and not set(others.tolist()) & set(stuck.tolist())
+            assert landing.acquire(1) is None
+            landing.release(others)
+    finally:
+        producer.resume()
+    limit = soon(10.0)
+    while landing.num_quarantined or consumer.tag_slots.num_quarantined:
+        assert time.monotonic() < limit, "the quarantine never lifted after the producer resumed"
+        consumer.sweep_quarantine()
+        time.sleep(0.01)
+    assert landing.num_free == landing.num_blocks
+    # The late data did land in the quarantined blocks: reusing them early would have been wrong.
+    for r, lid in zip(remote.tolist(), stuck.tolist(), strict=True):
+        assert torch.equal(landing.tensor[lid], producer.reference(r))
+    assert not peer.closed
+    ids = landing.acquire(2)
+    assert ids is not None
+    peer.read_blocks(remote, ids, soon())
+    landing.release(ids)
+
+
+# Keep last: it kills the module's producer.
+def test_killed_producer_disconnects_and_its_restart_at_the_same_address_is_read_fresh(
+        consumer: ConsumerTransport, producers_pair: tuple[ProducerProcess, ProducerProcess],
+        peer: ProducerPeer) -> None:
+    first, second = producers_pair
+    old = peer
+    assert consumer.connect(first.handshake, endpoint="encoder-0") is old
+    landing = consumer.landing
+    ids = landing.acquire(2)
+    assert ids is not None
+    try:
+        remote = np.array([1, 6], dtype=np.int32)
+        old.read_blocks(remote, ids, soon())
+        assert torch.equal(landing.tensor[ids[0]], first.reference(1))
+
+        first.kill()
+        with pytest.raises(PeerDisconnected):
+            old.read_blocks(remote, ids, soon(2.0))
+        assert old.closed and consumer.peer("encoder-0") is None
+        with pytest.raises(PeerDisconnected, match="handshake again"):
+            old.read_tags(remote, soon())
+
+        before, after = first.handshake, second.handshake
+        for region in ("buffer_region", "tag_region", "generation_region"):
+            assert getattr(before, region) == getattr(after, region)  # same addresses, same numbers
+        assert before.incarnation_id != after.incarnation_id and before.agent_name != after.agent_name
+
+        new = consumer.connect(after, endpoint="encoder-0")
+        assert new is not old and consumer.peer("encoder-0") is new
+        new.read_blocks(remote, ids, soon())
+        for r, lid in zip(remote.tolist(), ids.tolist(), strict=True):
+            assert torch.equal(landing.tensor[lid], second.reference(r))
+            assert not torch.equal(landing.tensor[lid], first.reference(r))
+        fingerprints, generations = new.read_tags(remote, soon())
+        assert fingerprints.tolist() == [tag_of(8, 1), tag_of(8, 6)] and generations.tolist() == [8, 8]
+    finally:
+        landing.release(ids)
