@@ -44,6 +44,7 @@ from common.errors import (
     LoadFailureReason,
     PeerDisconnected,
     TransferTimeout,
+    TransportError,
 )
 from common.fingerprint import mm_hash_fingerprint
 from common.media import PreprocessParams
@@ -337,15 +338,17 @@ class EncoderCacheClient:
             self._check_location(loc, layout.block_size)
         remote = np.fromiter((b for loc in locs for b in loc.block_ids), dtype=np.int32)
         landing = self.transport.landing
-        local_ids = landing.acquire(len(remote))
-        if local_ids is None:
-            if len(locs) > 1:  # pull item by item when the batch does not fit the landing pool
+        if len(remote) > landing.num_blocks - landing.num_quarantined:
+            if len(locs) > 1:  # pull item by item when the batch cannot fit the landing pool
                 return [p for loc in locs for p in self._pull_verified(conn, [loc])]
-            raise ECLoadFailure(
-                LoadFailureReason.TOKEN_COUNT, locs[0].mm_hash,
-                detail=f"needs {len(remote)} landing blocks, the pool has {landing.num_blocks}")
+            raise TransportError(
+                f"item {locs[0].mm_hash} needs {len(remote)} landing blocks; the pool has "
+                f"{landing.num_blocks} ({landing.num_quarantined} quarantined): raise --landing-blocks")
+        try:
+            local_ids = self._acquire_landing(len(remote))
+        except TransferTimeout as exc:
+            raise self._fail(LoadFailureReason.TIMEOUT, locs, str(exc)) from exc
         local = np.asarray(local_ids, dtype=np.int32)
-        quarantined = False
         started = time.perf_counter()
         try:
             peer = conn.peer()
@@ -356,20 +359,34 @@ class EncoderCacheClient:
                     remote, time.monotonic() + self.pull_timeout_s,
                     notif=encode_release_notification([loc.lease_id for loc in locs]))
             except TransferTimeout as exc:
-                quarantined = True  # the transport quarantined the landing blocks
                 raise self._fail(LoadFailureReason.TIMEOUT, locs, str(exc)) from exc
             except PeerDisconnected as exc:
                 conn.reset()
                 raise self._fail(LoadFailureReason.DISCONNECT, locs, str(exc)) from exc
             out = self._verify_and_copy(conn, locs, tags, gens, local)
         finally:
-            if not quarantined:
-                landing.release(local_ids)
+            # Blocks of a timed-out READ were quarantined by the transport; releasing a
+            # quarantined id is a no-op, so this is right on every path.
+            landing.release(local_ids)
         elapsed = time.perf_counter() - started
         self.metrics.pull_latency.observe(elapsed)
         self.metrics.pulls.inc(len(locs))
         self.metrics.pull_bytes.inc(len(remote) * layout.bytes_per_block)
         return out
+
+    def _acquire_landing(self, n: int) -> np.ndarray:
+        """Landing blocks for one pull; concurrent pulls may hold them all for a moment."""
+        landing = self.transport.landing
+        give_up = time.monotonic() + self.pull_timeout_s
+        while True:
+            ids = landing.acquire(n)
+            if ids is not None:
+                return ids
+            if time.monotonic() > give_up:
+                raise TransferTimeout(
+                    f"no {n} free landing blocks within {self.pull_timeout_s} s "
+                    f"({landing.num_held} held by other pulls, {landing.num_quarantined} quarantined)")
+            time.sleep(0.001)
 
     def _verify_and_copy(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation],
                          tags: np.ndarray, gens: np.ndarray, local: np.ndarray) -> list[PulledItem]:

@@ -276,13 +276,23 @@ def test_shm_allocator_maps_at_a_fixed_address() -> None:
         shm_allocator((4096,), torch.uint8, address=address)  # taken: never replaced
 
 
-def test_stale_segments_of_exited_processes_are_swept() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    path = os.path.join(SHM_DIR, f"epd-mock-{child.pid}-0123456789abcdef")
-    with open(path, "wb") as f:
-        f.write(b"x")
-    assert sweep_stale_segments() >= 1 and not os.path.exists(path)
+def test_only_abandoned_segments_of_our_pid_namespace_are_swept() -> None:
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    abandoned = os.path.join(SHM_DIR, f"epd-mock-{namespace}-999999-0123456789abcdef")
+    foreign = os.path.join(SHM_DIR, f"epd-mock-{namespace + 1}-999999-0123456789abcdef")
+    for path in (abandoned, foreign):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    live = shm_allocator((8,), torch.uint8)  # its creator (us) holds the lock
+    seg = find_segment(live.data_ptr(), 8)
+    assert seg is not None
+    try:
+        assert sweep_stale_segments() >= 1
+        assert not os.path.exists(abandoned)  # nobody holds its lock
+        assert os.path.exists(foreign)  # another PID namespace's: never ours to judge
+        assert os.path.exists(os.path.join(SHM_DIR, seg.name))
+    finally:
+        os.unlink(foreign)
 
 
 def test_agent_card_round_trip_and_validation() -> None:
