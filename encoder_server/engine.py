@@ -35,7 +35,7 @@ from typing import Protocol
 import torch
 
 from common import media
-from common.errors import CacheFullError, EpdError, InvalidMediaError, NotFoundError
+from common.errors import CacheFullError, EpdError, InvalidMediaError, LimitExceededError, NotFoundError
 from common.fingerprint import mm_hash_fingerprint
 from common.metrics import EncoderMetrics
 from encoder_server.cache_blocks import EncoderCacheBlocks, Lease
@@ -265,6 +265,7 @@ class EncoderEngine:
 
         try:
             processed = await self._preprocess(items, content, misses, hashes, errors)
+            self._refuse_oversized(processed, errors)
             if processed:
                 async with self._admit_lock:
                     jobs = self._admit(processed, consumer_id, waiters)
@@ -295,6 +296,16 @@ class EncoderEngine:
                 out.append(self._located(h, leases[h], hit=h not in fresh))
         self.update_gauges()
         return out
+
+    def _refuse_oversized(self, processed: dict[str, ProcessedItem], errors: dict[str, EpdError]) -> None:
+        """An item larger than the whole cache can never be admitted: a per-item error, not a stall."""
+        layout = self.cache.layout
+        for h in [h for h, item in processed.items() if layout.blocks_for_tokens(item.num_tokens)
+                  > layout.num_usable_blocks]:
+            item = processed.pop(h)
+            errors[h] = LimitExceededError(
+                f"item of {item.num_tokens} tokens needs {layout.blocks_for_tokens(item.num_tokens)} blocks "
+                f"of {layout.block_size}; this encoder's cache has {layout.num_usable_blocks}")
 
     def _abandon(self, leases: dict[str, Lease], waiters: dict[str, _Waiter]) -> None:
         """Give back what a failed request holds: its leases, and its place in pending runs."""

@@ -1,13 +1,14 @@
 """``epd demo``: run the main job on one machine and prove every merged embedding (demo orchestrator).
 
 Steps: pick the transport (real NIXL when it imports, the mock agent
-otherwise; the first output line says which and why), generate the workload,
-start ``epd encoder`` (eager graphs: compiling every bucket takes minutes on
-a small CPU box) and wait for its health to report SERVING, start two
-``epd prefill`` workers that dump what they merge, follow their output with a
-progress bar, scrape every ``/metrics``, stop the processes, verify each
-merged item against a reference encode in this process, and print the report
-(``--json``: one JSON object as the last line).
+otherwise; the first output line says which and why); start ``epd encoder``
+(eager graphs: compiling every bucket takes minutes on a small CPU box) and,
+while it starts, generate the workload and begin the reference encode on a
+thread; wait for the encoder's health to report SERVING; start two
+``epd prefill`` workers that dump what they merge; follow their output with a
+progress bar; scrape every ``/metrics``; stop the processes; verify each
+merged item against the reference encode; print the report (``--json``: one
+JSON object as the last line).
 
 Exit status: 0 clean, 1 on any mismatch or EC load failure, 2 when a process
 failed or timed out, 130 when interrupted. Every process started here is

@@ -45,6 +45,7 @@ class Child:
     proc: subprocess.Popen[bytes]
     log_path: Path
     reader: threading.Thread | None = field(default=None)
+    terminated: bool = False  # SIGTERM sent
 
     @property
     def pid(self) -> int:
@@ -61,8 +62,11 @@ class Child:
         return "\n".join(text.splitlines()[-lines:])
 
     def terminate(self) -> None:
-        """Send SIGTERM if it still runs (no wait)."""
-        if self.proc.poll() is None:
+        """Send SIGTERM once, if it still runs (no wait)."""
+        # Once only: a second SIGTERM would hit the child's default handler while it
+        # cleans up after the first, and kill it mid-way.
+        if self.proc.poll() is None and not self.terminated:
+            self.terminated = True
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:

@@ -9,10 +9,12 @@ bytes. A merged item passes when
 2. no other item's reference is at least as close: a wrong item that happens
    to be within tolerance is still caught.
 
-Items a worker served from its prefix cache were not merged (their KV was
-reused); they pass when the same worker verified the same ``mm_hash`` in an
-earlier request, the one whose KV it reused. Across both workers one media
-item must always have one ``mm_hash`` and two items never share one.
+Every item's ``mm_hash`` as the worker reports it must be the one computed
+here from the bytes the orchestrator sent at that position (model id,
+preprocessing fingerprint, content hash). Items a worker served from its
+prefix cache were not merged (their KV was reused); they pass when the same
+worker verified the same ``mm_hash`` in an earlier request, the one whose KV
+it reused.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 
+from common import media as media_hash
+from common.config import EncoderServerConfig
 from encoder_server.demo.procs import DemoFailure
 from encoder_server.demo.workload import Media, PlannedRequest
 from encoder_server.preprocess import PreprocessConfig, Preprocessor
@@ -71,12 +75,27 @@ def compare_rows(rows: torch.Tensor, lo: int, own: str, references: Mapping[str,
     return Verdict(True, error, "ok")
 
 
+@dataclass(frozen=True, slots=True)
+class References:
+    """What the encoder should produce for each media item, by media key."""
+
+    rows: dict[str, torch.Tensor]  # [num_tokens, fat_dim], float32
+    hashes: dict[str, str]  # mm_hash
+
+
 class ReferenceEncoder:
     """The default encoder and its preprocessing, in this process."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_id: str = EncoderServerConfig().model_id) -> None:
+        self.model_id = model_id
         self.encoder = load_encoder()
-        self.preprocessor = Preprocessor(PreprocessConfig.for_encoder(self.encoder))
+        self.config = PreprocessConfig.for_encoder(self.encoder)
+        self.preprocessor = Preprocessor(self.config)
+
+    def mm_hash(self, media: Media) -> str:
+        """The item's name as the encoder computes it from the same bytes."""
+        content = media_hash.content_hash(media.kind, media.frames, media.fps or None)
+        return media_hash.mm_hash(self.model_id, self.config.fingerprint(), content)
 
     @torch.no_grad()
     def encode(self, media: Media) -> torch.Tensor:
@@ -87,8 +106,8 @@ class ReferenceEncoder:
         out: torch.Tensor = self.encoder.embed(item.pixel_values, torch.tensor([item.grid_thw]))
         return out.float()
 
-    def encode_all(self, media: Mapping[str, Media]) -> dict[str, torch.Tensor]:
-        return {key: self.encode(m) for key, m in media.items()}
+    def references(self, media: Mapping[str, Media]) -> References:
+        return References({k: self.encode(m) for k, m in media.items()}, {k: self.mm_hash(m) for k, m in media.items()})
 
 
 class ReferenceJob:
@@ -96,7 +115,7 @@ class ReferenceJob:
 
     def __init__(self, media: Mapping[str, Media]) -> None:
         self._media = dict(media)
-        self._out: dict[str, torch.Tensor] = {}
+        self._out = References({}, {})
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="reference-encode", daemon=True)
 
@@ -105,12 +124,12 @@ class ReferenceJob:
 
     def _run(self) -> None:
         try:
-            self._out = ReferenceEncoder().encode_all(self._media)
+            self._out = ReferenceEncoder().references(self._media)
         except BaseException as exc:  # handed to the caller of result()
             self._error = exc
 
-    def result(self, timeout_s: float) -> dict[str, torch.Tensor]:
-        """The references by media key; DemoFailure if the encode failed or missed the deadline."""
+    def result(self, timeout_s: float) -> References:
+        """The references; DemoFailure if the encode failed or missed the deadline."""
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise DemoFailure(f"reference encode not done within {timeout_s:.0f} s")
@@ -126,7 +145,6 @@ class Verification:
     verified: int = 0  # merged items that matched their reference
     prefix_items: int = 0  # items served from a prefix cache whose first merge was verified
     mismatches: list[str] = field(default_factory=list)
-    hashes: dict[str, str] = field(default_factory=dict)  # media key -> mm_hash
 
     def as_dict(self) -> dict[str, Any]:
         return {"verified_items": self.verified, "verified_prefix_items": self.prefix_items,
@@ -140,21 +158,9 @@ def read_records(dump_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def _check_hash(v: Verification, key: str, mm_hash: str, where: str) -> bool:
-    known = v.hashes.setdefault(key, mm_hash)
-    if known != mm_hash:
-        v.mismatches.append(f"{where}: {key} has mm_hash {mm_hash}, elsewhere {known}")
-        return False
-    owners = [k for k, h in v.hashes.items() if h == mm_hash and k != key]
-    if owners:
-        v.mismatches.append(f"{where}: {key} and {owners[0]} share mm_hash {mm_hash}")
-        return False
-    return True
-
-
 def verify_stream(
     v: Verification, worker: str, plan: Sequence[PlannedRequest], dump_dir: Path,
-    references: Mapping[str, torch.Tensor],
+    references: References,
 ) -> None:
     """Check one worker's dumped requests against its plan; findings accumulate in ``v``."""
     records = read_records(dump_dir)
@@ -171,7 +177,8 @@ def verify_stream(
         dumps = {int(d["item"]): d for d in record.get("dumps", [])}
         for k, (key, item) in enumerate(zip(planned.media, items, strict=True)):
             at = f"{where} item {k} ({key}, {item['layer']})"
-            if not _check_hash(v, key, item["mm_hash"], at):
+            if item["mm_hash"] != references.hashes[key]:
+                v.mismatches.append(f"{at}: named {item['mm_hash']}, its bytes hash to {references.hashes[key]}")
                 continue
             if item["layer"] == PREFIX_LAYER:
                 if item["mm_hash"] in merged_here:
@@ -184,7 +191,7 @@ def verify_stream(
                 v.mismatches.append(f"{at}: merged but no rows were dumped")
                 continue
             saved = torch.load(dump_dir / dump["file"], weights_only=True)
-            verdict = compare_rows(saved["rows"], int(saved["lo"]), key, references)
+            verdict = compare_rows(saved["rows"], int(saved["lo"]), key, references.rows)
             if saved["mm_hash"] != item["mm_hash"]:
                 verdict = Verdict(False, verdict.error, f"dump names {saved['mm_hash']}")
             if verdict.ok:

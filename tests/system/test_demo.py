@@ -45,7 +45,7 @@ def test_demo_json_report_is_clean_and_consistent(venv_bin) -> None:
     assert layers["logical_encoder_cache"]["queries"] == items["total"] - items["prefix"]
     assert report["evictions"] > 0
     assert report["pulls"]["items"] > 0 and report["pulls"]["bytes"] > 0 and report["pulls"]["gb_per_s"] > 0
-    assert report["handshakes"] == {"ok": 2}
+    assert report["handshakes"].get("ok") == 2
     pad = report["padding"]
     assert 0 <= pad["waste_tokens"] < pad["active_blocks"] * pad["block_size"]
     assert report["ttft"]["miss"]["requests"] > 0 and report["ttft"]["miss"]["p50_ms"] > 0

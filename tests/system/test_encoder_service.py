@@ -187,6 +187,11 @@ def test_exhaustion_is_immediate_and_clears_after_release(tmp_path) -> None:
                         "--min-hold-ms", "100")
     try:
         stub = _stub(enc)
+        # 512x512 is 256 merged tokens = 4 blocks > the 3 that exist: a per-item error, never a stall.
+        too_big = _encode(stub, image_bytes(512, 512, seed=7), image_bytes(128, 128, seed=0)).results
+        assert too_big[0].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "needs 4 blocks" in too_big[0].error.message
+        stub.Release(pb2.ReleaseRequest(consumer_id="t", lease_ids=[too_big[1].location.lease_id]), timeout=10)
         held = [_encode(stub, image_bytes(128, 128, seed=s)).results[0].location for s in range(3)]
         assert len({b for loc in held for b in loc.block_ids}) == 3
         started = time.monotonic()

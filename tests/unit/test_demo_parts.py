@@ -8,11 +8,15 @@ import pytest
 import torch
 from PIL import Image
 
+import common.transport
 from common.metrics import EncoderMetrics, PrefillMetrics
+from encoder_server.demo.cli import resolve_transport
+from encoder_server.demo.procs import DemoFailure
 from encoder_server.demo.report import Samples, build_report, percentile, ttft_split
 from encoder_server.demo.verify import (
     REQUESTS_FILE,
     ReferenceEncoder,
+    References,
     Verification,
     compare_rows,
     verify_stream,
@@ -58,6 +62,10 @@ def test_rows_closer_to_another_item_are_a_mismatch_even_within_tolerance():
     assert compare_rows(refs["a"].clone(), 0, "a", refs).ok
 
 
+def _references() -> References:
+    return References(_refs(), {"a": "ha", "b": "hb", "c": "hc"})
+
+
 def _plan(keys_per_request: list[list[str]]) -> list[PlannedRequest]:
     return [PlannedRequest(0, i, 0, "new", tuple(keys), {}) for i, keys in enumerate(keys_per_request)]
 
@@ -77,19 +85,20 @@ def _record(index: int, items: list[tuple[str, str]], dumps: list[tuple[int, str
 
 def test_verify_stream_counts_merged_and_prefix_items(tmp_path):
     refs = _refs()
+    references = References(refs, {"a": "ha", "b": "hb", "c": "hc"})
     _dump(tmp_path, [
         _record(0, [("ha", "encoder-miss")], [(0, "ha", "r0.pt", 0)]),
         _record(1, [("ha", "prefix"), ("hb", "encoder-hit")], [(1, "hb", "r1.pt", 0)]),
     ], {"r0.pt": {"mm_hash": "ha", "lo": 0, "rows": refs["a"].to(torch.bfloat16)},
         "r1.pt": {"mm_hash": "hb", "lo": 0, "rows": refs["b"].to(torch.bfloat16)}})
     v = Verification()
-    verify_stream(v, "w0", _plan([["a"], ["a", "b"]]), tmp_path, refs)
+    verify_stream(v, "w0", _plan([["a"], ["a", "b"]]), tmp_path, references)
     assert (v.verified, v.prefix_items, v.mismatches) == (2, 1, [])
-    assert v.hashes == {"a": "ha", "b": "hb"}
 
 
 def test_verify_stream_catches_a_corrupted_dump_and_what_depended_on_it(tmp_path):
-    refs = _refs()
+    references = _references()
+    refs = references.rows
     bad = refs["a"].to(torch.bfloat16).clone()
     bad[5, 3] += 1.0  # one value of one row
     _dump(tmp_path, [
@@ -97,7 +106,7 @@ def test_verify_stream_catches_a_corrupted_dump_and_what_depended_on_it(tmp_path
         _record(1, [("ha", "prefix"), ("hb", "local")], []),  # b merged but not dumped
     ], {"r0.pt": {"mm_hash": "ha", "lo": 0, "rows": bad}})
     v = Verification()
-    verify_stream(v, "w0", _plan([["a"], ["a", "b"], ["b"]]), tmp_path, refs)
+    verify_stream(v, "w0", _plan([["a"], ["a", "b"], ["b"]]), tmp_path, references)
     assert v.verified == 0 and v.prefix_items == 0
     text = "\n".join(v.mismatches)
     assert "w0 request 0 item 0 (a, encoder-miss): differs from its reference" in text
@@ -107,22 +116,24 @@ def test_verify_stream_catches_a_corrupted_dump_and_what_depended_on_it(tmp_path
     assert v.as_dict()["mismatches"] == 4
 
 
-def test_verify_stream_catches_one_item_under_two_hashes(tmp_path):
-    refs = _refs()
+def test_verify_stream_catches_an_item_named_by_the_wrong_hash(tmp_path):
+    references = _references()
+    refs = references.rows
     rows = {"mm_hash": "ha", "lo": 0, "rows": refs["a"].to(torch.bfloat16)}
     rows2 = {"mm_hash": "hx", "lo": 0, "rows": refs["a"].to(torch.bfloat16)}
     _dump(tmp_path, [_record(0, [("ha", "encoder-miss")], [(0, "ha", "r0.pt", 0)]),
                      _record(1, [("hx", "encoder-miss")], [(0, "hx", "r1.pt", 0)])],
           {"r0.pt": rows, "r1.pt": rows2})
     v = Verification()
-    verify_stream(v, "w0", _plan([["a"], ["a"]]), tmp_path, refs)
-    assert v.verified == 1 and any("has mm_hash hx, elsewhere ha" in m for m in v.mismatches)
+    verify_stream(v, "w0", _plan([["a"], ["a"]]), tmp_path, references)
+    assert v.verified == 1 and v.mismatches == ["w0 request 1 item 0 (a, encoder-miss): named hx, its bytes hash to ha"]
 
 
 def test_reference_encoder_output_fails_against_a_perturbed_copy(tmp_path):
     work = generate(tmp_path, workers=1, users=1, requests_per_user=1)
     ref = ReferenceEncoder()
     refs = {k: ref.encode(work.media[k]) for k in ("img00", "img01")}
+    assert len({ref.mm_hash(m) for m in work.media.values()}) == len(work.media)
     assert refs["img00"].shape == (64, WIDTH)  # 256x256 -> 64 merged tokens
     cached = refs["img00"].to(torch.bfloat16)
     assert compare_rows(cached, 0, "img00", refs).ok
@@ -219,3 +230,14 @@ def test_report_combines_the_processes_metrics():
 
 def test_media_is_a_slotted_record():
     assert not hasattr(Media("k", "image", ("p",), (b"x",), 0.0, 1, 1, "PNG"), "__dict__")
+
+
+def test_transport_choice_says_why(monkeypatch):
+    monkeypatch.setattr(common.transport, "nixl_available", lambda: (False, "no module named nixl"))
+    kind, why = resolve_transport("auto")
+    assert kind == "mock" and "NIXL does not import (no module named nixl)" in why
+    with pytest.raises(DemoFailure, match="--transport nixl, but NIXL does not import: no module named nixl"):
+        resolve_transport("nixl")
+    assert resolve_transport("mock")[0] == "mock"
+    monkeypatch.setattr(common.transport, "nixl_available", lambda: (True, "nixl_cu12._api"))
+    assert resolve_transport("auto") == ("nixl", "nixl_cu12._api, UCX on loopback")
