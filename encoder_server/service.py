@@ -98,7 +98,7 @@ def _tolerant(message: type[Message]) -> Callable[[bytes], Message | MalformedRe
 
 def add_to_server(servicer: EncoderCacheServicer, server: grpc.aio.Server) -> None:
     """Register the service like the generated helper does, with deserializers that never raise."""
-    signatures = {
+    signatures: dict[str, tuple[type[Message], type[Message]]] = {
         "Handshake": (pb2.HandshakeRequest, pb2.HandshakeResponse),
         "Encode": (pb2.EncodeRequest, pb2.EncodeResponse),
         "Lookup": (pb2.LookupRequest, pb2.LookupResponse),

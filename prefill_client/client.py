@@ -290,7 +290,10 @@ class EncoderCacheClient:
             try:
                 locations = self._encode_admitted(conn, items)
             except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # overloaded, not down: no fail-over
+                    raise self._fail(LoadFailureReason.TIMEOUT, [], f"Encode on {conn.target}: {exc.details()}",
+                                     mm_hash=content_key(items[0])) from exc
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     raise _EncoderDown(str(exc.details())) from exc
                 raise
             except PeerDisconnected as exc:
@@ -360,7 +363,8 @@ class EncoderCacheClient:
                     notif=encode_release_notification([loc.lease_id for loc in locs]))
             except TransferTimeout as exc:
                 raise self._fail(LoadFailureReason.TIMEOUT, locs, str(exc)) from exc
-            except PeerDisconnected as exc:
+            except (PeerDisconnected, TransportError) as exc:
+                # Any other failed READ leaves the peer in doubt: drop it, handshake next time.
                 conn.reset()
                 raise self._fail(LoadFailureReason.DISCONNECT, locs, str(exc)) from exc
             out = self._verify_and_copy(conn, locs, tags, gens, local)

@@ -2,9 +2,10 @@
 
 Sixteen clients each send two Encode requests of two items (three blocks
 each) drawn from sixteen images, against an encoder with one graph thread
-and eight usable blocks: at most one request fits at a time. Each request either returns rows equal to the local reference or
-raises a typed error with a clear status (cache full, timeout, deadline), and
-does so within the client's own bound on one call. None is lost, none hangs,
+and eight usable blocks: at most one request fits at a time. Each request
+either returns rows equal to the local reference or raises a typed error
+with a clear status (cache full, timeout, deadline), and does so within the
+client's own bound on one call. None is lost, none hangs,
 and afterwards the encoder is SERVING, every lease is gone and a new request
 is served correctly.
 """
@@ -72,6 +73,7 @@ def test_more_clients_than_the_encoder_can_serve(tmp_path: Path) -> None:
         try:
             with EncoderCacheClient(enc.target, MODEL, transport=transport, rpc_timeout_s=RPC_TIMEOUT_S,
                                     pull_timeout_s=PULL_TIMEOUT_S, local_cache_blocks=1) as client:
+                client.media_params()  # handshake first: the bound below is for Encode + pull
                 start.wait(30)
                 for _ in range(REQUESTS_PER_CLIENT):
                     picks = rng.sample(range(len(IMAGES)), 2)

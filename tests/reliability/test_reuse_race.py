@@ -236,7 +236,7 @@ def test_reuse_race_delivers_no_wrong_embedding(kind: str, tmp_path: Path) -> No
     assert tally.pulls >= PULLS, f"only {tally.pulls} pulls in {TIME_LIMIT_S} s"
     # The dangerous situation really happened: the producer churned, rows of other
     # items or half-written rows landed, and both kinds of mismatch were read back.
-    assert iterations > PULLS and same_item > 0 and evictions > 0
+    assert iterations > 1000 and same_item > 0 and evictions > 0
     assert tally.wrong_rows_landed > 0
     assert tally.observed[LoadFailureReason.TAG_MISMATCH.value] > 0
     assert tally.observed[LoadFailureReason.GENERATION_MISMATCH.value] > 0
