@@ -16,12 +16,14 @@ separate prefill processes would have) through the same factory as
 Each request's text comes first and is unique, so the prefix cache never
 covers the image; every worker serves one untimed request of each kind
 first. TTFT is the worker's own measure (request in -> first token out).
+Each client sends ``--requests`` of each kind, more at low concurrency so
+that every level has at least ``--min-requests`` samples per kind.
 The workers are threads of one process (they share its GIL and torch runs
 one intra-op thread each); the encoder is its own process. Counts are
 bounded: ``--requests`` per client per kind.
 
 Usage: ``python bench/e2e.py [--concurrency 1,4,16] [--requests 4] [--image-size 256]
-[--transport auto|nixl|mock] [--quick]``. The last line of stdout is one JSON object:
+[--min-requests 16] [--transport auto|nixl|mock] [--quick]``. The last line of stdout is one JSON object:
 ``{"ttft_ms": {"c1": {"miss": {"p50", "p90", "mean", "max", "n"}, "hit": {...}}, ...},
 "requests_per_s": {"c1": {"miss", "hit"}, ...}, ...}``.
 """
@@ -68,7 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=4, help="timed requests per client and kind")
     parser.add_argument("--image-size", type=int, default=256, help="square image side in pixels (256: 64 tokens)")
     parser.add_argument("--transport", default="auto", help="auto, nixl or mock")
-    parser.add_argument("--quick", action="store_true", help="2 requests per client and kind")
+    parser.add_argument("--min-requests", type=int, default=16,
+                        help="timed requests per level and kind at least (clients send more at low concurrency)")
+    parser.add_argument("--quick", action="store_true", help="2 requests per client and kind, at least 4 per level")
     return parser.parse_args(argv)
 
 
@@ -210,23 +214,25 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     levels = [int(c) for c in args.concurrency.split(",")]
-    k = 2 if args.quick else args.requests
-    per_level = max(levels) * (2 * k + 3)
+    k, floor = (2, 4) if args.quick else (args.requests, args.min_requests)
+    per_client = {c: max(k, -(-floor // c)) for c in levels}
+    num_images = sum(c * (2 * per_client[c] + 2) for c in levels)  # hit + miss, plus two warm-ups each
     tokens = (args.image_size // 32) ** 2
     blocks_per_image = -(-max(64, tokens) // 64)
     images = Images(args.image_size)
     out: dict[str, object] = {
         "clients": "threads in one process, one EncoderCacheClient + worker each",
-        "torch_threads": 1, "image_size": args.image_size, "requests_per_client": k,
+        "torch_threads": 1, "image_size": args.image_size,
+        "requests_per_client": {f"c{c}": per_client[c] for c in levels},
         "ttft_ms": {}, "requests_per_s": {},
     }
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
         encoder, target, transport = start_encoder(
-            Path(tmp), args.transport, blocks=len(levels) * per_level * blocks_per_image + 8)
+            Path(tmp), args.transport, blocks=num_images * blocks_per_image + 8)
         out["transport"] = transport
         try:
             for c in levels:
-                ttft, rate = run_level(c, k, target, transport, images)
+                ttft, rate = run_level(c, per_client[c], target, transport, images)
                 out["ttft_ms"][f"c{c}"] = ttft  # type: ignore[index]
                 out["requests_per_s"][f"c{c}"] = rate  # type: ignore[index]
                 print(f"c{c}: miss ttft p50 {ttft['miss']['p50']:.1f} ms p90 {ttft['miss']['p90']:.1f} ms "

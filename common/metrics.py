@@ -24,6 +24,9 @@ values add up, so the export is the fleet-wide total.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -32,6 +35,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 
 # vLLM does the same: the *_created series double every counter for no use.
 disable_created_metrics()
@@ -68,6 +72,20 @@ EPD_LEASES_EXPIRED = "epd_encoder_leases_expired"
 _PULL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+class _ConsistentView:
+    """A registry view whose collection excludes concurrent :meth:`EncoderMetrics.set_occupancy`
+    calls, so one scrape never shows half of a step's occupancy (the invariant holds on it)."""
+
+    def __init__(self, registry: CollectorRegistry, lock: threading.Lock) -> None:
+        self._registry = registry
+        self._lock = lock
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            families = list(self._registry.collect())
+        yield from families
+
+
 class InputProcessorMetrics:
     """Layer 1, present in both processes."""
 
@@ -83,6 +101,7 @@ class EncoderMetrics(InputProcessorMetrics):
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._occupancy_lock = threading.Lock()
         super().__init__(self.registry)
         r = self.registry
         self.device_queries = Counter(
@@ -114,13 +133,19 @@ class EncoderMetrics(InputProcessorMetrics):
 
     def set_occupancy(self, active: int, free: int, held: int, active_real_tokens: int) -> None:
         """Snapshot the allocator once per step, after the allocate and evict batches."""
-        self.active_blocks.set(active)
-        self.free_blocks.set(free)
-        self.held_blocks.set(held)
-        self.active_real_tokens.set(active_real_tokens)
+        with self._occupancy_lock:
+            self.active_blocks.set(active)
+            self.free_blocks.set(free)
+            self.held_blocks.set(held)
+            self.active_real_tokens.set(active_real_tokens)
+
+    @property
+    def scrape_view(self) -> _ConsistentView:
+        """What /metrics should serve: the registry, collected consistently."""
+        return _ConsistentView(self.registry, self._occupancy_lock)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.scrape_view)  # type: ignore[arg-type]
 
 
 class PrefillMetrics(InputProcessorMetrics):

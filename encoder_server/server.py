@@ -150,7 +150,8 @@ class EncoderServer:
         await self._start_grpc()
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_port >= 0:
-            self._httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry)
+            self._httpd, _ = start_http_server(
+                cfg.metrics_port, addr=cfg.host, registry=self.metrics.scrape_view)  # type: ignore[arg-type]
             self.metrics_port = self._httpd.server_port
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="epd-housekeeping"))
         for name in ("", READINESS_SERVICE, SERVICE_NAME):

@@ -32,7 +32,30 @@ setup() {
         "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
     fi
     "$VENV/bin/python" -m pip install --quiet -e ".[nixl,test]"
+    install_promtool
     echo "$want" > "$STAMP"
+}
+
+# promtool (from Debian's prometheus package) lints /metrics in the test suite.
+# Only the binary is unpacked into the venv; where apt is not usable the lint
+# test is skipped and says why.
+install_promtool() {
+    if command -v promtool >/dev/null 2>&1 || [ -x "$VENV/bin/promtool" ]; then
+        return 0
+    fi
+    if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" != 0 ]; then
+        echo "note: promtool not installed (needs apt-get as root); its lint test will be skipped" >&2
+        return 0
+    fi
+    local tmp
+    tmp=$(mktemp -d)
+    if (cd "$tmp" && apt-get update -qq >/dev/null 2>&1 && apt-get download -qq prometheus >/dev/null 2>&1 \
+            && dpkg-deb -x prometheus_*.deb root); then
+        cp "$tmp/root/usr/bin/promtool" "$VENV/bin/promtool"
+    else
+        echo "note: could not fetch Debian's prometheus package; the promtool lint test will be skipped" >&2
+    fi
+    rm -rf "$tmp"
 }
 
 task=${1:-test}

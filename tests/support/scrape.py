@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -60,7 +62,8 @@ def scrape(port: int, host: str = "127.0.0.1") -> Scrape:
 
 
 def promtool_path() -> str | None:
-    return shutil.which("promtool")
+    """promtool on PATH, or the copy scripts/dev.sh unpacks into the venv."""
+    return shutil.which("promtool") or shutil.which("promtool", path=str(Path(sys.executable).parent))
 
 
 def promtool_problems(text: str, promtool: str) -> list[str]:

@@ -60,3 +60,28 @@ m.device_queries.inc()
     fams = _families(generate_latest(registry))
     assert fams[metrics.DEVICE_EC_ACTIVE_BLOCKS].samples[0].value == 7
     assert fams[metrics.DEVICE_EC_QUERIES].samples[0].value == 2
+
+
+def test_a_scrape_never_sees_half_an_occupancy_update() -> None:
+    import threading
+
+    m = EncoderMetrics()
+    stop = threading.Event()
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            i = (i + 1) % 50
+            m.set_occupancy(active=i, free=50 - i, held=13, active_real_tokens=i)
+
+    writer = threading.Thread(target=churn)
+    writer.start()
+    try:
+        for _ in range(300):
+            fams = _families(m.exposition())
+            total = sum(fams[name].samples[0].value for name in (
+                metrics.DEVICE_EC_ACTIVE_BLOCKS, metrics.DEVICE_EC_FREE_BLOCKS, metrics.DEVICE_EC_HELD_BLOCKS))
+            assert total in (0, 63)  # 0 only before the first update
+    finally:
+        stop.set()
+        writer.join(5)
