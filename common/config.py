@@ -165,6 +165,10 @@ class EncoderServerConfig:
         "auto", env="EPD_ENCODER_BACKEND",
         help="encoder graph backend: eager, compile (torch.compile, every bucket compiled at start-up), "
              "neuron, or auto (compile, measured faster than eager on CPU)")
+    encode_batch_tokens: int = setting(
+        256, env="EPD_ENCODE_BATCH_TOKENS",
+        help="most merged tokens of concurrent misses packed into one encoder run (an item larger "
+             "than this runs alone); on CPU runs of 64-256 tokens were measured fastest (BENCHMARKS.md)")
     max_items_per_request: int = setting(
         64, env="EPD_MAX_ITEMS", flag="--max-items", help="media items accepted in one request")
     max_message_bytes: int = setting(
@@ -193,7 +197,7 @@ class EncoderServerConfig:
                  self.encoder_backend, "must be auto, eager, compile or neuron")
         _require(self.input_cache_bytes >= 0, "input_cache_bytes", self.input_cache_bytes, "must be >= 0")
         for name in ("max_items_per_request", "max_message_bytes", "max_image_pixels",
-                     "max_video_frames", "encode_workers"):
+                     "max_video_frames", "encode_workers", "encode_batch_tokens"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         _require(self.drain_grace_s >= 0, "drain_grace_s", self.drain_grace_s, "must be >= 0")
 

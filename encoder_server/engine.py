@@ -40,6 +40,7 @@ from common.fingerprint import mm_hash_fingerprint
 from common.metrics import EncoderMetrics
 from encoder_server.cache_blocks import EncoderCacheBlocks, Lease
 from encoder_server.preprocess import Preprocessor, ProcessedItem
+from encoder_server.vision import default_tokens_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +86,6 @@ class Located:
     lease: Lease
     hit: bool
     grid_thw: tuple[int, ...] = ()
-
-
-def default_tokens_per_block(num_tokens: int, block_size: int) -> list[int]:
-    """Full blocks, then one partial block for the remainder."""
-    full, rest = divmod(num_tokens, block_size)
-    return [block_size] * full + ([rest] if rest else [])
 
 
 @dataclass(slots=True)
@@ -178,10 +173,14 @@ class EncoderEngine:
         preprocess_fingerprint: str,
         input_cache_bytes: int = 256 << 20,
         preprocess_workers: int = 2,
+        batch_tokens: int | None = None,
     ) -> None:
         self.cache = cache
         self.preprocessor = preprocessor
         self.runner = runner
+        # Misses of concurrent requests share a run up to this many tokens (the runner's largest
+        # bucket at most); the first job of a run is always taken, so a larger item runs alone.
+        self.batch_tokens = min(batch_tokens or runner.max_batch_tokens, runner.max_batch_tokens)
         self.metrics = metrics
         self.model_id = model_id
         self.preprocess_fingerprint = preprocess_fingerprint
@@ -457,7 +456,7 @@ class EncoderEngine:
     async def _batch_loop(self) -> None:
         assert self._queue is not None
         loop = asyncio.get_running_loop()
-        budget = self.runner.max_batch_tokens
+        budget = self.batch_tokens
         while True:
             batch = [await self._queue.get()]
             tokens = batch[0].item.num_tokens

@@ -139,7 +139,8 @@ class EncoderServer:
         self.engine = EncoderEngine(
             cache=self.cache, preprocessor=preprocessor, runner=runner, metrics=self.metrics,
             model_id=cfg.model_id, preprocess_fingerprint=preprocess_config.fingerprint(),
-            input_cache_bytes=cfg.input_cache_bytes, preprocess_workers=cfg.encode_workers)
+            input_cache_bytes=cfg.input_cache_bytes, preprocess_workers=cfg.encode_workers,
+            batch_tokens=cfg.encode_batch_tokens)
         await self.engine.start()
         self.servicer = EncoderCacheServicer(
             engine=self.engine, metrics=self.metrics, model_id=cfg.model_id, layout=layout,
