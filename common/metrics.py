@@ -145,7 +145,7 @@ class EncoderMetrics(InputProcessorMetrics):
         return _ConsistentView(self.registry, self._occupancy_lock)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.scrape_view)  # type: ignore[arg-type]
+        return generate_latest(self.scrape_view)
 
 
 class PrefillMetrics(InputProcessorMetrics):

@@ -191,7 +191,8 @@ class EncoderEngine:
         self._inflight: dict[str, _Flight] = {}
         # grid_thw of each cached item, for the response; pruned in housekeeping().
         self._grids: dict[str, tuple[int, ...]] = {}
-        self._queue: asyncio.Queue[_Job] | None = None
+        self._pending: collections.deque[_Job] = collections.deque()  # misses waiting for a run
+        self._wake: asyncio.Event | None = None
         self._batcher: asyncio.Task[None] | None = None
         self._admit_lock: asyncio.Lock | None = None
         self.stats = EngineStats()
@@ -200,7 +201,7 @@ class EncoderEngine:
     # --- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._queue = asyncio.Queue()
+        self._wake = asyncio.Event()
         self._admit_lock = asyncio.Lock()
         self._batcher = asyncio.create_task(self._batch_loop(), name="epd-batcher")
         self.update_gauges()
@@ -269,8 +270,7 @@ class EncoderEngine:
                 async with self._admit_lock:
                     jobs = self._admit(processed, consumer_id, waiters)
                 self.metrics.device_misses.inc(len(jobs))
-                for job in jobs:
-                    await self._queue_put(job)
+                self._enqueue(jobs)
             for h, waiter in waiters.items():
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -449,23 +449,28 @@ class EncoderEngine:
         hint = self.cache.next_reusable_in_ms()
         return max(1, hint if hint is not None else max(self.cache.min_hold_time_ms, 50))
 
-    async def _queue_put(self, job: _Job) -> None:
-        assert self._queue is not None
-        await self._queue.put(job)
+    def _enqueue(self, jobs: list[_Job]) -> None:
+        assert self._wake is not None
+        self._pending.extend(jobs)
+        if jobs:
+            self._wake.set()
 
     async def _batch_loop(self) -> None:
-        assert self._queue is not None
+        assert self._wake is not None
         loop = asyncio.get_running_loop()
-        budget = self.batch_tokens
+        pending = self._pending
         while True:
-            batch = [await self._queue.get()]
+            if not pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            # The first job always runs (an item above the budget runs alone); then take
+            # jobs in order while they fit, stopping before the batch overflows the budget.
+            batch = [pending.popleft()]
             tokens = batch[0].item.num_tokens
-            while not self._queue.empty():
-                nxt = self._queue._queue[0]  # peek: stop before the batch overflows the bucket
-                if tokens + nxt.item.num_tokens > budget:
-                    break
-                batch.append(self._queue.get_nowait())
-                tokens += nxt.item.num_tokens
+            while pending and tokens + pending[0].item.num_tokens <= self.batch_tokens:
+                tokens += pending[0].item.num_tokens
+                batch.append(pending.popleft())
             await self._run_batch(loop, batch)
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:

@@ -152,7 +152,7 @@ class EncoderServer:
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_port >= 0:
             self._httpd, _ = start_http_server(
-                cfg.metrics_port, addr=cfg.host, registry=self.metrics.scrape_view)  # type: ignore[arg-type]
+                cfg.metrics_port, addr=cfg.host, registry=self.metrics.scrape_view)
             self.metrics_port = self._httpd.server_port
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="epd-housekeeping"))
         for name in ("", READINESS_SERVICE, SERVICE_NAME):

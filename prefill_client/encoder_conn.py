@@ -224,7 +224,7 @@ class EncoderConnection:
                 if err is not None:
                     raise err from exc
                 raise
-            if resp.incarnation_id != self.incarnation_id:  # type: ignore[attr-defined]
+            if resp.incarnation_id != self.incarnation_id:
                 self.reset()
                 continue
             return resp

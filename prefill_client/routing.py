@@ -46,7 +46,7 @@ def resolve_targets(targets: Sequence[str]) -> list[str]:
             except socket.gaierror as exc:
                 raise ConfigError(f"cannot resolve encoder name {host!r}: {exc}") from exc
             for info in infos:
-                addr = info[4][0]
+                addr = str(info[4][0])
                 entry = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
                 if entry not in out:
                     out.append(entry)
