@@ -6,17 +6,16 @@ import os
 import signal
 import socket
 import time
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from common import metrics
 from tests.support.procs import EncoderProcess, start_encoder
+from tests.support.scrape import scrape as shared_scrape
 
 MODEL = "tiny-qwen3-vl"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -55,15 +54,8 @@ def thaw(pid: int) -> None:
 
 
 def scrape(enc: EncoderProcess) -> dict[str, float]:
-    """Unlabelled samples of the encoder's /metrics, by sample name."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{enc.metrics_port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.labels:
-                values[sample.name] = sample.value
-    return values
+    """Samples of the encoder's /metrics (labelled ones keyed ``name{k="v"}``)."""
+    return shared_scrape(enc.metrics_port).samples
 
 
 def occupancy(enc: EncoderProcess) -> tuple[int, int, int, int]:

@@ -8,7 +8,6 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from common import metrics
 from common.config import LIVENESS_SERVICE, READINESS_SERVICE
@@ -16,6 +15,7 @@ from common.fingerprint import mm_hash_fingerprint
 from common.wire import PROTOCOL_VERSION, SERVICE_NAME, pb2, pb2_grpc
 from tests.support.media import image_bytes
 from tests.support.procs import EncoderProcess, start_encoder
+from tests.support.scrape import scrape
 from tests.transport_params import TRANSPORTS
 
 MODEL = "tiny-qwen3-vl"
@@ -28,16 +28,7 @@ def _stub(enc: EncoderProcess) -> pb2_grpc.EncoderCacheServiceStub:
 
 
 def _scrape(enc: EncoderProcess) -> dict[str, float]:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{enc.metrics_port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.labels:
-                values[sample.name] = sample.value
-    return values
+    return scrape(enc.metrics_port).samples
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
