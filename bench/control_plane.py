@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import os
 import signal
@@ -39,10 +38,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _procs import png, start_encoder, stop  # noqa: E402
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc  # noqa: E402
 
 MODEL_ID = "tiny-qwen3-vl"
@@ -91,23 +90,6 @@ async def serve_echo() -> None:
 
 # --- processes ---------------------------------------------------------------------------------
 
-def start_encoder(workdir: Path, transport: str, blocks: int) -> tuple[subprocess.Popen[bytes], int, str]:
-    ready = workdir / "encoder.ready.json"
-    cmd = [sys.executable, "-m", "common.cli", "encoder", "--host", "127.0.0.1", "--port", "0",
-           "--metrics-port", "-1", "--transport", transport, "--encoder-backend", "eager",
-           "--cache-blocks", str(blocks), "--block-size", "64", "--ready-file", str(ready), "--log-level", "WARNING"]
-    with open(workdir / "encoder.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"encoder did not start:\n{(workdir / 'encoder.log').read_text()}")
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
-    return proc, int(info["port"]), str(info["transport"])
-
-
 def start_echo() -> tuple[subprocess.Popen[bytes], int]:
     proc = subprocess.Popen([sys.executable, __file__, "--serve-echo"], stdout=subprocess.PIPE)
     assert proc.stdout is not None
@@ -121,26 +103,7 @@ def start_echo() -> tuple[subprocess.Popen[bytes], int]:
     return proc, int(line)
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 # --- measurement -------------------------------------------------------------------------------
-
-def png(seed: int, size: int = 64) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(buf, format="PNG")
-    return buf.getvalue()
-
 
 class Target:
     """One server's clients (a call per client thread) and the latencies of their timed calls."""
@@ -274,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     results: dict[str, dict[str, dict[str, float]]] = {"lookup": {}, "echo": {}, "ratio": {}}
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
-        encoder, enc_port, transport = start_encoder(Path(tmp), args.transport, blocks=args.items + 4)
+        encoder, enc_port, transport = start_encoder(
+            Path(tmp), args.transport, blocks=args.items + 4, ready_timeout_s=READY_TIMEOUT_S)
         echo, echo_port = start_echo()
         print(f"encoder transport {transport}, {args.items} cached items, {args.seconds} s per target and "
               f"concurrency, rounds of {args.round_s} s", flush=True)

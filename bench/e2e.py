@@ -32,12 +32,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import logging
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,11 +42,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _procs import png, start_encoder, stop  # noqa: E402
 from common.config import PrefillConfig  # noqa: E402
 from common.metrics import PrefillMetrics  # noqa: E402
 from prefill_client.chat import ChatRequest, MediaItem  # noqa: E402
@@ -74,42 +71,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="timed requests per level and kind at least (clients send more at low concurrency)")
     parser.add_argument("--quick", action="store_true", help="2 requests per client and kind, at least 4 per level")
     return parser.parse_args(argv)
-
-
-def png(seed: int, size: int) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def start_encoder(workdir: Path, transport: str, blocks: int) -> tuple[subprocess.Popen[bytes], str, str]:
-    ready = workdir / "encoder.ready.json"
-    cmd = [sys.executable, "-m", "common.cli", "encoder", "--host", "127.0.0.1", "--port", "0",
-           "--metrics-port", "-1", "--transport", transport, "--encoder-backend", "eager",
-           "--cache-blocks", str(blocks), "--block-size", "64", "--ready-file", str(ready), "--log-level", "WARNING"]
-    with open(workdir / "encoder.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"encoder did not start:\n{(workdir / 'encoder.log').read_text()}")
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
-    return proc, f"127.0.0.1:{info['port']}", info["transport"]
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 class Images:
@@ -227,8 +188,9 @@ def main(argv: list[str] | None = None) -> None:
         "ttft_ms": {}, "requests_per_s": {},
     }
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
-        encoder, target, transport = start_encoder(
-            Path(tmp), args.transport, blocks=num_images * blocks_per_image + 8)
+        encoder, port, transport = start_encoder(
+            Path(tmp), args.transport, blocks=num_images * blocks_per_image + 8, ready_timeout_s=READY_TIMEOUT_S)
+        target = f"127.0.0.1:{port}"
         out["transport"] = transport
         try:
             for c in levels:
