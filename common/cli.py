@@ -27,7 +27,7 @@ BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 
 def bench_main(argv: list[str]) -> int:
     """Run ``bench/NAME.py ARGS`` with this interpreter; its last line is its JSON result."""
-    scripts = sorted(p.stem for p in BENCH_DIR.glob("*.py")) if BENCH_DIR.is_dir() else []
+    scripts = sorted(p.stem for p in BENCH_DIR.glob("[!_]*.py")) if BENCH_DIR.is_dir() else []
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: epd bench NAME [ARGS]\n\nbenchmarks: " + (", ".join(scripts) or
               "none found (they ship with the source checkout, not the wheel)"))
