@@ -3,7 +3,7 @@
 Every error the project raises on purpose derives from ``EpdError`` and carries
 the gRPC status it maps to, so the servicer aborts with
 ``context.abort(err.grpc_code, str(err))`` and a client maps a status back with
-:func:`error_from_status`::
+:func:`prefill_client.encoder_conn.status_error`::
 
     EpdError                      INTERNAL
     ├── ConfigError               INVALID_ARGUMENT   (also a ValueError)
@@ -15,6 +15,7 @@ the gRPC status it maps to, so the servicer aborts with
     ├── StaleIncarnationError     FAILED_PRECONDITION producer restarted: re-handshake
     ├── CacheFullError            RESOURCE_EXHAUSTED nothing evictable; retry_after_ms
     ├── NotFoundError             NOT_FOUND
+    ├── ItemLostError             ABORTED            an item left the cache while its request ran: retry
     ├── ServiceDraining           UNAVAILABLE        encoder shutting down: use another
     ├── TransportError            UNAVAILABLE        NIXL / mock transport failure
     │   ├── TransportUnavailable  FAILED_PRECONDITION no NIXL package installed
@@ -95,6 +96,17 @@ class CacheFullError(EpdError):
 
 class NotFoundError(EpdError):
     grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+class ItemLostError(EpdError):
+    """An item's pinned allocation ended before its request could hand it out.
+
+    A per-item outcome of Encode (never a whole-call failure): the item was
+    evicted while the request waited, or its lease ended. Retrying the
+    request encodes it again.
+    """
+
+    grpc_code = grpc.StatusCode.ABORTED
 
 
 class ServiceDraining(EpdError):

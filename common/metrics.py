@@ -68,6 +68,7 @@ EPD_ENCODE_REQUESTS = "epd_encoder_requests"
 EPD_ENCODE_LATENCY = "epd_encoder_encode_latency_seconds"
 EPD_LEASES_ACTIVE = "epd_encoder_leases_active"
 EPD_LEASES_EXPIRED = "epd_encoder_leases_expired"
+EPD_LEASES_DROPPED = "epd_encoder_leases_dropped"
 
 _PULL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -130,6 +131,9 @@ class EncoderMetrics(InputProcessorMetrics):
             EPD_LEASES_ACTIVE, "Leases currently pinning items", registry=r, multiprocess_mode="sum")
         self.leases_expired = Counter(
             EPD_LEASES_EXPIRED, "Leases that expired without a release", registry=r)
+        self.leases_dropped = Counter(
+            EPD_LEASES_DROPPED, "Leases of answers that could not reach their caller (deadline passed, "
+            "call cancelled), given back at once", registry=r)
 
     def set_occupancy(self, active: int, free: int, held: int, active_real_tokens: int) -> None:
         """Snapshot the allocator once per step, after the allocate and evict batches."""

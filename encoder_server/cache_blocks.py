@@ -17,6 +17,11 @@ is *active* (owned by an item), *held* or *free*::
   item's write and the last time its location was handed out (``acquire``).
   An item freed before it was written was never handed out: its blocks go
   straight back to the free queue.
+- A lease pins one allocation and carries its location, taken under the
+  lock: callers build answers from the lease, never from the slot map, which
+  may name a newer allocation of the same ``mm_hash`` by then. A *pending*
+  lease (taken by a request still running) does not expire until
+  :meth:`start_lease` hands its location out; only then does the ttl run.
 - Items under a live lease are pinned and never evicted; ``free`` only marks
   them (``contains`` turns false, no new lease) and their blocks leave when
   the last lease ends or expires. Only written, unpinned items are evictable:
@@ -62,6 +67,9 @@ __all__ = [
 
 # Float seconds cannot hold "write + 100 ms" exactly; see __init__.
 _HOLD_SLACK_S = 1e-9
+# A pending lease ends at this ceiling even if its request never hands it out: a
+# backstop only, the engine bounds every request far below it.
+DEFAULT_PENDING_LEASE_TTL_MS = 600_000
 
 # A pure function of the hash, memoized and bounded: an evicted item that
 # comes back is re-allocated under the same mm_hash, and BLAKE2b is the
@@ -78,6 +86,7 @@ class EncoderCacheBlocks:
         min_hold_time_ms: int,
         *,
         lease_ttl_ms: int = 30_000,
+        pending_lease_ttl_ms: int = DEFAULT_PENDING_LEASE_TTL_MS,
         clock: Callable[[], float] = time.monotonic,
         device: str | torch.device = "cpu",
         allocator: TensorAllocator | None = None,
@@ -85,6 +94,7 @@ class EncoderCacheBlocks:
         for name, value, low in (
             ("min_hold_time_ms", min_hold_time_ms, 0),
             ("lease_ttl_ms", lease_ttl_ms, 1),
+            ("pending_lease_ttl_ms", pending_lease_ttl_ms, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
@@ -112,7 +122,8 @@ class EncoderCacheBlocks:
         self._active_tokens = 0
         self._num_pinned = 0
         self._generation = 0
-        self._leases: LeaseTable[SlotEntry] = LeaseTable(lease_ttl_ms / 1000.0)
+        self._leases: LeaseTable[SlotEntry] = LeaseTable(
+            lease_ttl_ms / 1000.0, max(lease_ttl_ms, pending_lease_ttl_ms) / 1000.0)
         # Earliest clock time a lease may expire or a held block become free:
         # every call compares the clock against this one number.
         self._next_due = math.inf
@@ -207,14 +218,18 @@ class EncoderCacheBlocks:
                 self._lru.move_to_end(mm_hash)
 
     # ----------------------------------------------------------------- leases
-    def acquire(self, mm_hash: str, owner: str = "") -> Lease | None:
-        """Pin a present, written item and restart its hold clock; ``None`` otherwise."""
+    def acquire(self, mm_hash: str, owner: str = "", *, pending: bool = False) -> Lease | None:
+        """Pin a present, written item and restart its hold clock; ``None`` otherwise.
+
+        The lease carries the allocation's location. ``pending``: the caller
+        hands the location out later; the ttl starts then (:meth:`start_lease`).
+        """
         with self._lock:
             now = self._now()
             entry = self._slots.get(mm_hash)
             if entry is None or entry.write_time is None:
                 return None
-            lease = self._leases.grant(entry, mm_hash, owner, now)
+            lease = self._leases.grant(entry, mm_hash, owner, now, entry.allocation(), pending=pending)
             self._next_due = min(self._next_due, lease.expires_at)
             entry.last_acquire = now
             if entry.pins == 0:
@@ -222,6 +237,22 @@ class EncoderCacheBlocks:
                 del self._lru[mm_hash]
                 self._evictable_blocks -= len(entry.block_ids)
             entry.pins += 1
+            return lease
+
+    def start_lease(self, lease_id: int) -> Lease | None:
+        """The location of a lease is being handed out: its ttl runs from now; ``None`` if it ended.
+
+        Also restarts the hold clock of the pinned allocation (a block is reused
+        only ``min_hold`` after the last time its location went out).
+        """
+        with self._lock:
+            now = self._now()
+            lease = self._leases.start(lease_id, now)
+            if lease is None:
+                return None
+            self._next_due = min(self._next_due, lease.expires_at)
+            entry = self._leases.payload(lease_id)
+            entry.last_acquire = now
             return lease
 
     def release(self, lease_id: int, owner: str | None = None) -> bool:

@@ -14,6 +14,21 @@ from dataclasses import dataclass
 from encoder_server.block_pool import BlockId
 
 
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Where one allocation's rows live, as a lease pins it: never re-read from the slot map.
+
+    The slot map can name a newer allocation of the same ``mm_hash`` (evicted,
+    then re-allocated and stamped but not yet written): a location built from
+    it would point at unwritten blocks whose tags already verify.
+    """
+
+    block_ids: tuple[BlockId, ...]
+    tokens_per_block: tuple[int, ...]
+    num_tokens: int
+    generation: int
+
+
 @dataclass(slots=True, eq=False)
 class SlotEntry:
     """One allocation: in the slot map while present, alive until its last lease ends."""
@@ -27,6 +42,9 @@ class SlotEntry:
     last_acquire: float | None = None
     pins: int = 0
     doomed: bool = False  # freed while pinned: blocks go when the last lease ends
+
+    def allocation(self) -> Allocation:
+        return Allocation(tuple(self.block_ids), tuple(self.tokens_per_block), self.num_tokens, self.generation)
 
 
 @dataclass(frozen=True, slots=True)

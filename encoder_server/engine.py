@@ -35,7 +35,14 @@ from typing import Protocol
 import torch
 
 from common import media
-from common.errors import CacheFullError, EpdError, InvalidMediaError, LimitExceededError, NotFoundError
+from common.errors import (
+    CacheFullError,
+    EpdError,
+    InvalidMediaError,
+    ItemLostError,
+    LimitExceededError,
+    NotFoundError,
+)
 from common.fingerprint import mm_hash_fingerprint
 from common.metrics import EncoderMetrics
 from encoder_server.cache_blocks import EncoderCacheBlocks, Lease
@@ -43,6 +50,10 @@ from encoder_server.preprocess import Preprocessor, ProcessedItem
 from encoder_server.vision import default_tokens_per_block
 
 logger = logging.getLogger(__name__)
+
+# Longest an Encode may run when its call carries no deadline: the wait for its
+# encoder runs ends here, and with it every pending lease it holds.
+MAX_REQUEST_S = 120.0
 
 
 class Runner(Protocol):
@@ -88,6 +99,30 @@ class Located:
     grid_thw: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """One item's typed failure; the rest of its request is answered as usual."""
+
+    mm_hash: str
+    error: EpdError
+
+
+def _located(mm_hash: str, lease: Lease, grid_thw: tuple[int, ...], *, hit: bool) -> Located:
+    """The answer for an item: exactly the allocation ``lease`` pinned."""
+    alloc = lease.allocation
+    return Located(
+        mm_hash=mm_hash,
+        block_ids=alloc.block_ids,
+        tokens_per_block=alloc.tokens_per_block,
+        num_tokens=alloc.num_tokens,
+        fingerprint=mm_hash_fingerprint(mm_hash),
+        generation=alloc.generation,
+        lease=lease,
+        hit=hit,
+        grid_thw=grid_thw,
+    )
+
+
 @dataclass(slots=True)
 class _Waiter:
     """A request waiting for an item's encoder run; gets its lease the moment the item is written."""
@@ -103,6 +138,7 @@ class _Flight:
     """One scheduled encoder run of one item, and every request waiting for it."""
 
     future: asyncio.Future[None]
+    grid_thw: tuple[int, ...]
     waiters: list[_Waiter] = field(default_factory=list)
     owner: _Waiter | None = None  # the request whose miss scheduled the run
 
@@ -228,42 +264,50 @@ class EncoderEngine:
 
     async def encode(
         self, items: Sequence[MediaInput], consumer_id: str, timeout: float | None = None
-    ) -> list[Located | EpdError]:
-        """Encode or find every item; per-item errors are returned, not raised.
+    ) -> list[Located | Failed]:
+        """Encode or find every item; per-item errors are returned (:class:`Failed`), not raised.
 
         Each distinct item of the request gets one lease (an item named twice
-        shares it). Raises :class:`CacheFullError` when the misses cannot be
-        admitted even after eviction, and ``asyncio.TimeoutError`` when the
-        encoder runs do not finish within ``timeout`` (leases taken so far are
-        given back; the runs still complete and their items stay cached).
+        shares it). Leases are taken *pending* while the request runs (hits
+        first, misses the moment their rows are written) and handed out
+        together at the end: their ttl starts then, so a request that waits
+        longer than the ttl never loses an item it pinned. Every location is
+        built from the allocation its lease pinned, never from the slot map.
+        Raises :class:`CacheFullError` when the misses cannot be admitted even
+        after eviction, and ``asyncio.TimeoutError`` when the encoder runs do
+        not finish within ``timeout`` (default :data:`MAX_REQUEST_S`); leases
+        taken so far are given back, the runs still complete and their items
+        stay cached.
         """
         assert self._admit_lock is not None, "engine not started"
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + (MAX_REQUEST_S if timeout is None else timeout)
         loop = asyncio.get_running_loop()
         content = await loop.run_in_executor(
             self._preprocess_pool, lambda: [item.content_hash() for item in items])
         hashes = [self.mm_hash(c) for c in content]
 
         leases: dict[str, Lease] = {}
+        grids: dict[str, tuple[int, ...]] = {}
         waiters: dict[str, _Waiter] = {}
         errors: dict[str, EpdError] = {}
         misses: dict[str, int] = {}  # mm_hash -> index of the first item carrying it
-        for i, h in enumerate(hashes):
-            self.metrics.device_queries.inc()  # every item is a layer-3 query
-            if h in leases or h in waiters or h in misses:
-                continue
-            flight = self._inflight.get(h)
-            if flight is not None:  # coalesce with the run already scheduled for it
-                waiters[h] = flight.join(consumer_id)
-                continue
-            # Pin a hit before anything below may evict to make room for misses.
-            lease = self.cache.acquire(h, owner=consumer_id)
-            if lease is not None:
-                leases[h] = lease
-            else:
-                misses[h] = i
-
         try:
+            for i, h in enumerate(hashes):
+                self.metrics.device_queries.inc()  # every item is a layer-3 query
+                if h in leases or h in waiters or h in misses:
+                    continue
+                flight = self._inflight.get(h)
+                if flight is not None:  # coalesce with the run already scheduled for it
+                    waiters[h] = flight.join(consumer_id)
+                    continue
+                # Pin a hit before anything below may evict to make room for misses.
+                lease = self.cache.acquire(h, owner=consumer_id, pending=True)
+                if lease is not None:
+                    leases[h] = lease
+                    grids[h] = self._grids.get(h, ())
+                else:
+                    misses[h] = i
+
             processed = await self._preprocess(items, content, misses, hashes, errors)
             self._refuse_oversized(processed, errors)
             if processed:
@@ -272,29 +316,34 @@ class EncoderEngine:
                 self.metrics.device_misses.inc(len(jobs))
                 self._enqueue(jobs)
             for h, waiter in waiters.items():
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    await asyncio.wait_for(asyncio.shield(waiter.flight.future), remaining)
+                    await asyncio.wait_for(
+                        asyncio.shield(waiter.flight.future), max(0.0, deadline - time.monotonic()))
                 except EpdError as exc:
                     errors[h] = exc
                     continue
                 if waiter.lease is None:
-                    errors[h] = NotFoundError(f"mm_hash {h} was evicted before it could be leased")
+                    errors[h] = ItemLostError(f"mm_hash {h} was evicted before it could be leased; retry")
                 else:
                     leases[h] = waiter.lease
+                    grids[h] = waiter.flight.grid_thw
         except BaseException:
             self._abandon(leases, waiters)
             raise
 
         fresh = {h for h, w in waiters.items() if w.flight.owner is w}
-        out: list[Located | EpdError] = []
-        for h in hashes:
-            if h in errors:
-                out.append(errors[h])
-            else:
-                out.append(self._located(h, leases[h], hit=h not in fresh))
+        located = {h: self._hand_out(h, lease, grids[h], hit=h not in fresh) for h, lease in leases.items()}
+        located.update((h, Failed(h, err)) for h, err in errors.items())
+        out = [located[h] for h in hashes]
         self.update_gauges()
         return out
+
+    def _hand_out(self, mm_hash: str, lease: Lease, grid_thw: tuple[int, ...], *, hit: bool) -> Located | Failed:
+        """Start a pending lease's ttl and build the location it pinned; a typed error if it ended."""
+        started = self.cache.start_lease(lease.lease_id)
+        if started is None:
+            return Failed(mm_hash, ItemLostError(f"mm_hash {mm_hash}: its lease ended while the request ran; retry"))
+        return _located(mm_hash, started, grid_thw, hit=hit)
 
     def _refuse_oversized(self, processed: dict[str, ProcessedItem], errors: dict[str, EpdError]) -> None:
         """An item larger than the whole cache can never be admitted: a per-item error, not a stall."""
@@ -315,14 +364,14 @@ class EncoderEngine:
         for lease in leases.values():
             self.cache.release(lease.lease_id)
 
-    def lookup(self, mm_hashes: Sequence[str], consumer_id: str) -> list[Located | EpdError]:
-        out: list[Located | EpdError] = []
+    def lookup(self, mm_hashes: Sequence[str], consumer_id: str) -> list[Located | Failed]:
+        out: list[Located | Failed] = []
         for h in mm_hashes:
-            lease = self.cache.acquire(h, owner=consumer_id)
+            lease = self.cache.acquire(h, owner=consumer_id)  # handed out at once: the ttl runs now
             if lease is None:
-                out.append(NotFoundError(f"mm_hash {h} is not in the encoder cache"))
+                out.append(Failed(h, NotFoundError(f"mm_hash {h} is not in the encoder cache")))
             else:
-                out.append(self._located(h, lease, hit=True))
+                out.append(_located(h, lease, self._grids.get(h, ()), hit=True))
         return out
 
     def release(self, lease_ids: Sequence[int], consumer_id: str | None) -> int:
@@ -350,20 +399,6 @@ class EncoderEngine:
         self.metrics.leases_active.set(self.cache.lease_stats.active)
 
     # --- internals -----------------------------------------------------------------------
-
-    def _located(self, mm_hash: str, lease: Lease, *, hit: bool) -> Located:
-        c = self.cache  # the lease pins the item: these reads are stable
-        return Located(
-            mm_hash=mm_hash,
-            block_ids=tuple(c.get_block_ids(mm_hash)),
-            tokens_per_block=tuple(c.get_tokens_per_block(mm_hash)),
-            num_tokens=c.get_num_tokens(mm_hash),
-            fingerprint=mm_hash_fingerprint(mm_hash),
-            generation=c.get_generation(mm_hash),
-            lease=lease,
-            hit=hit,
-            grid_thw=self._grids.get(mm_hash, ()),
-        )
 
     async def _preprocess(
         self,
@@ -438,7 +473,7 @@ class EncoderEngine:
                 raise CacheFullError(
                     f"freed blocks are still inside the {self.cache.min_hold_time_ms} ms hold",
                     retry_after_ms=self._retry_hint_ms())
-            flight = _Flight(loop.create_future())
+            flight = _Flight(loop.create_future(), tuple(item.grid_thw))
             waiters[h] = flight.join(consumer_id, owner=True)
             self._inflight[h] = flight
             self._grids[h] = tuple(item.grid_thw)
@@ -501,10 +536,11 @@ class EncoderEngine:
         for job in batch:
             cache.mark_written(job.mm_hash)
             self._inflight.pop(job.mm_hash, None)
-            # Lease for every live waiter now, before any other request can evict the item.
+            # Lease for every live waiter now, before any other request can evict the item;
+            # pending: each request starts the ttl when it answers.
             for waiter in job.flight.waiters:
                 if not waiter.cancelled:
-                    waiter.lease = cache.acquire(job.mm_hash, owner=waiter.consumer_id)
+                    waiter.lease = cache.acquire(job.mm_hash, owner=waiter.consumer_id, pending=True)
             if not job.flight.future.done():
                 job.flight.future.set_result(None)
         self.update_gauges()

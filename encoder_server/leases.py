@@ -1,8 +1,16 @@
 """Lease table pinning cache allocations while consumers pull them (encoder process).
 
-A lease is granted when an item's location is handed to a consumer and ends
-when the consumer releases it or when it expires ``ttl`` after the grant, so a
-consumer that vanished cannot pin blocks forever. Expiry is lazy: a min-heap of
+A lease pins one allocation and carries its location (:class:`Allocation`),
+taken at the grant, so whoever holds the lease never re-reads the slot map.
+It ends when the consumer releases it or when it expires ``ttl`` after the
+location was handed out, so a consumer that vanished cannot pin blocks
+forever. A lease taken by a request that is still running (waiting for its
+misses) is *pending*: it does not expire until the request hands the location
+out (:meth:`LeaseTable.start`) or gives it back. Its ttl must not run while
+nobody outside the encoder knows the lease exists: otherwise a request that
+waits longer than the ttl answers with an item that may be gone. Pending
+leases still end at a ceiling (``pending_ttl``), a backstop against a request
+that never finishes; the engine bounds every request well below it. Expiry is lazy: a min-heap of
 ``(expires_at, lease_id)`` is popped by :meth:`LeaseTable.reap`, which the
 owner calls at the start of every operation. A released lease leaves a stale
 heap entry behind; the heap is rebuilt from the live leases when stale entries
@@ -21,12 +29,15 @@ calls it under its lock.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import math
 import secrets
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from encoder_server.cache_records import Allocation
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +52,18 @@ LEASE_ID_BITS = 63  # fits int64 and uint64 alike; 0 is never issued
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """A consumer's claim on one allocation; ``expires_at`` is on the cache's clock."""
+    """A consumer's claim on one allocation; ``expires_at`` is on the cache's clock.
+
+    ``pending`` until the location is handed out: its ``expires_at`` is then
+    the backstop ceiling, not the ttl.
+    """
 
     lease_id: int
     mm_hash: str
     owner: str
     expires_at: float
+    allocation: Allocation
+    pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +85,13 @@ class _LiveLease(Generic[P]):
 class LeaseTable(Generic[P]):
     """Live leases keyed by id, each carrying the owner's payload (the pinned record)."""
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, pending_ttl_s: float = math.inf) -> None:
         if not ttl_s > 0:
             raise ValueError(f"lease ttl must be > 0 seconds, got {ttl_s}")
+        if not pending_ttl_s > 0:
+            raise ValueError(f"pending lease ttl must be > 0 seconds, got {pending_ttl_s}")
         self._ttl_s = ttl_s
+        self._pending_ttl_s = pending_ttl_s
         self._live: dict[int, _LiveLease[P]] = {}
         self._expiry: list[tuple[float, int]] = []
         self._released = 0
@@ -89,10 +109,34 @@ class LeaseTable(Generic[P]):
     def stats(self) -> LeaseStats:
         return LeaseStats(len(self._live), self._released, self._expired, self._rejected)
 
-    def grant(self, payload: P, mm_hash: str, owner: str, now: float) -> Lease:
-        lease = Lease(self._new_id(), mm_hash, owner, now + self._ttl_s)
+    def grant(
+        self, payload: P, mm_hash: str, owner: str, now: float, allocation: Allocation, *, pending: bool = False
+    ) -> Lease:
+        """A new lease; ``pending`` ones expire only at the ceiling until :meth:`start`."""
+        expires_at = now + (self._pending_ttl_s if pending else self._ttl_s)
+        lease = Lease(self._new_id(), mm_hash, owner, expires_at, allocation, pending)
         self._live[lease.lease_id] = _LiveLease(lease, payload)
-        heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+        if expires_at < math.inf:
+            heapq.heappush(self._expiry, (expires_at, lease.lease_id))
+        return lease
+
+    def payload(self, lease_id: int) -> P:
+        """The payload of a live lease (``KeyError`` if it is not live)."""
+        return self._live[lease_id].payload
+
+    def start(self, lease_id: int, now: float) -> Lease | None:
+        """Hand a lease's location out: its ttl runs from ``now``. ``None`` if it is no longer live.
+
+        Starting a lease that is not pending renews it. The old heap entry stays
+        behind as a stale one: :meth:`reap` checks the live expiry.
+        """
+        live = self._live.get(lease_id)
+        if live is None or live.lease.expires_at <= now:
+            return None
+        lease = dataclasses.replace(live.lease, expires_at=now + self._ttl_s, pending=False)
+        live.lease = lease
+        heapq.heappush(self._expiry, (lease.expires_at, lease_id))
+        self._maybe_compact()
         return lease
 
     def _new_id(self) -> int:
@@ -131,17 +175,21 @@ class LeaseTable(Generic[P]):
         heap = self._expiry
         while heap and heap[0][0] <= now:
             _, lease_id = heapq.heappop(heap)
-            live = self._live.pop(lease_id, None)
-            if live is not None:  # None: released earlier, a stale heap entry
+            live = self._live.get(lease_id)
+            # None: released earlier; a later expiry: started or renewed since. Both are stale entries.
+            if live is not None and live.lease.expires_at <= now:
+                del self._live[lease_id]
                 self._expired += 1
                 expired.append(live.payload)
                 logger.info(
-                    "lease %s on %s (owner %r) expired unreleased",
+                    "lease %s on %s (owner %r) expired unreleased%s",
                     lease_id, live.lease.mm_hash, live.lease.owner,
+                    " while its request was still running" if live.lease.pending else "",
                 )
         return expired
 
     def _maybe_compact(self) -> None:
         if len(self._expiry) > _COMPACT_MIN and len(self._expiry) > _COMPACT_RATIO * len(self._live):
-            self._expiry = [(live.lease.expires_at, lid) for lid, live in self._live.items()]
+            self._expiry = [(live.lease.expires_at, lid) for lid, live in self._live.items()
+                            if live.lease.expires_at < math.inf]
             heapq.heapify(self._expiry)

@@ -37,13 +37,16 @@ from common.layout import CacheLayout, dtype_name
 from common.media import PreprocessParams
 from common.metrics import EncoderMetrics
 from common.wire import PROTOCOL_VERSION, SERVICE_NAME, pb2, pb2_grpc
-from encoder_server.engine import EncoderEngine, Located, MediaInput
+from encoder_server.engine import EncoderEngine, Failed, Located, MediaInput
 
 logger = logging.getLogger(__name__)
 
 MAX_LABEL_CHARS = 256
 MAX_LOOKUPS_PER_REQUEST = 1024
 MAX_RELEASES_PER_REQUEST = 4096
+# An answer needs a moment to reach its caller: with less of the deadline left,
+# the leases in it are given back and the call ends DEADLINE_EXCEEDED.
+ANSWER_MARGIN_S = 0.002
 _MM_HASH = re.compile(r"^[0-9a-f]{32}$")
 
 DTYPE_TO_PROTO = {
@@ -114,6 +117,22 @@ def add_to_server(servicer: EncoderCacheServicer, server: grpc.aio.Server) -> No
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """``context.abort``, for a call whose caller may be gone.
+
+    When the caller's deadline passed or it cancelled, gRPC has ended the call
+    already and sending a status fails inside gRPC (which logs a traceback for
+    what is an ordinary outcome): end the handler as cancelled instead.
+    """
+    try:
+        await context.abort(code, message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:  # noqa: BLE001 - gRPC's failed send has no public type
+        logger.debug("call ended before its %s status could be sent: %s", code.name, message)
+        raise asyncio.CancelledError from None
+
+
 def _rpc(method: str) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[..., Awaitable[Resp]]]:
     """Count the call and turn errors into statuses."""
 
@@ -128,17 +147,17 @@ def _rpc(method: str) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[...
                 return await fn(self, request, context)
             except EpdError as err:
                 code = err.grpc_code
-                await context.abort(code, str(err))
+                await _abort(context, code, str(err))
             except asyncio.TimeoutError:
                 code = grpc.StatusCode.DEADLINE_EXCEEDED
-                await context.abort(code, f"{method} did not finish within the call's deadline")
+                await _abort(context, code, f"{method} did not finish within the call's deadline")
             except asyncio.CancelledError:
                 code = grpc.StatusCode.CANCELLED
                 raise
             except Exception:
                 code = grpc.StatusCode.INTERNAL
                 logger.exception("%s failed", method)
-                await context.abort(code, f"{method} failed inside the encoder; see its log")
+                await _abort(context, code, f"{method} failed inside the encoder; see its log")
             finally:
                 self.metrics.requests.labels(method=method, code=code.name).inc()
             raise AssertionError("unreachable")  # context.abort always raises
@@ -241,6 +260,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
                 f"request has {len(request.items)} items; this encoder accepts at most {self.max_items}")
         media = [self._media(i, item) for i, item in enumerate(request.items)]
         results = await self.engine.encode(media, request.consumer_id, timeout=context.time_remaining())
+        self._deliver_or_drop(context, results, request.consumer_id)
         return pb2.EncodeResponse(
             results=[self._result(item.uuid, r) for item, r in zip(request.items, results)],
             incarnation_id=self.incarnation_id)
@@ -258,6 +278,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
             if not _MM_HASH.match(h):
                 raise InvalidRequestError(f"mm_hash {h[:80]!r} is not 32 lowercase hex digits")
         results = self.engine.lookup(list(request.mm_hashes), request.consumer_id)
+        self._deliver_or_drop(context, results, request.consumer_id)
         return pb2.LookupResponse(
             results=[self._result("", r) for r in results], incarnation_id=self.incarnation_id)
 
@@ -269,6 +290,45 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
                 f"request releases {len(request.lease_ids)} leases; at most {MAX_RELEASES_PER_REQUEST}")
         released = self.engine.release(list(request.lease_ids), request.consumer_id)
         return pb2.ReleaseResponse(released=released)
+
+    # --- delivery --------------------------------------------------------------------
+
+    def _deliver_or_drop(
+        self, context: grpc.aio.ServicerContext, results: list[Located | Failed], consumer_id: str
+    ) -> None:
+        """Leave no lease behind in an answer its caller will never read.
+
+        A caller that gave up before the answer is ready cancels the handler
+        (the engine gives its leases back). Two windows remain: the deadline
+        is too close to send the answer, or it passes while the answer is on
+        its way. In the first we answer ``DEADLINE_EXCEEDED`` and release the
+        leases now; for the second a done-callback releases them when the call
+        ended past (or within the margin of) its deadline. Releasing a lease whose answer did arrive
+        costs nothing in safety (the consumer's tag READ still proves the
+        data); it only stops pinning the item.
+        """
+        lease_ids = [r.lease.lease_id for r in results if isinstance(r, Located)]
+        if not lease_ids:
+            return
+        remaining = context.time_remaining()
+        if remaining is not None and remaining < ANSWER_MARGIN_S:
+            self._drop(lease_ids, consumer_id)
+            raise asyncio.TimeoutError
+
+        def after(ctx: grpc.aio.ServicerContext) -> None:
+            # Within the margin of the deadline the caller may have given up first (its clock
+            # and ours differ by the time the request took to arrive): drop rather than pin.
+            left = ctx.time_remaining()
+            if left is not None and left < ANSWER_MARGIN_S:
+                self._drop(lease_ids, consumer_id)
+
+        context.add_done_callback(after)
+
+    def _drop(self, lease_ids: list[int], consumer_id: str) -> None:
+        dropped = self.engine.release(lease_ids, consumer_id)
+        if dropped:
+            self.metrics.leases_dropped.inc(dropped)
+            logger.info("dropped %d leases of an answer %r could not receive in time", dropped, consumer_id)
 
     # --- conversion ------------------------------------------------------------------
 
@@ -287,10 +347,11 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         raise InvalidRequestError(f"item {index} carries neither an image nor a video")
 
     @staticmethod
-    def _result(uuid: str, result: Located | EpdError) -> pb2.ItemResult:
-        if isinstance(result, EpdError):
-            return pb2.ItemResult(
-                uuid=uuid, error=pb2.ItemError(code=result.grpc_code.value[0], message=str(result)))
+    def _result(uuid: str, result: Located | Failed) -> pb2.ItemResult:
+        if isinstance(result, Failed):
+            err = result.error
+            return pb2.ItemResult(uuid=uuid, error=pb2.ItemError(
+                code=err.grpc_code.value[0], message=str(err), mm_hash=result.mm_hash))
         lease = result.lease
         expiry_unix_ms = int((time.time() + (lease.expires_at - time.monotonic())) * 1000)
         return pb2.ItemResult(

@@ -298,6 +298,11 @@ class EncoderCacheClient:
                 raise
             except PeerDisconnected as exc:
                 raise _EncoderDown(str(exc)) from exc
+            except ECLoadFailure as exc:  # an item left the cache while the encoder answered
+                if attempt + 1 < attempts and exc.reason in _RETRYABLE:
+                    logger.warning("retrying after %s", exc)
+                    continue
+                raise
             try:
                 return self._pull(conn, locations)
             except ECLoadFailure as exc:
@@ -326,34 +331,58 @@ class EncoderCacheClient:
         for i, loc in enumerate(locations):
             local = self._local.get(loc.mm_hash)
             if local is not None:
-                conn.release([loc.lease_id])
                 results[i] = PulledItem(loc.mm_hash, local.embeddings, local.grid_thw, local.encoder, "local")
             else:
                 todo.append(i)
+        conn.release([loc.lease_id for loc, r in zip(locations, results) if r is not None])
         if todo:
             for i, item in zip(todo, self._pull_verified(conn, [locations[i] for i in todo])):
                 results[i] = item
         return [r for r in results if r is not None]
 
     def _pull_verified(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation]) -> list[PulledItem]:
-        layout = conn.layout
-        for loc in locs:
-            self._check_location(loc, layout.block_size)
-        remote = np.fromiter((b for loc in locs for b in loc.block_ids), dtype=np.int32)
+        """Pull ``locs`` in as few transfers as the landing pool allows; every lease ends on every path."""
         landing = self.transport.landing
-        if len(remote) > landing.num_blocks - landing.num_quarantined:
-            if len(locs) > 1:  # pull item by item when the batch cannot fit the landing pool
-                return [p for loc in locs for p in self._pull_verified(conn, [loc])]
-            raise TransportError(
-                f"item {locs[0].mm_hash} needs {len(remote)} landing blocks; the pool has "
-                f"{landing.num_blocks} ({landing.num_quarantined} quarantined): raise --landing-blocks")
-        try:
-            local_ids = self._acquire_landing(len(remote))
-        except TransferTimeout as exc:
-            raise self._fail(LoadFailureReason.TIMEOUT, locs, str(exc)) from exc
-        local = np.asarray(local_ids, dtype=np.int32)
+        chunks = [locs]
+        if sum(len(loc.block_ids) for loc in locs) > landing.num_blocks - landing.num_quarantined:
+            chunks = [[loc] for loc in locs]  # pull item by item when the batch cannot fit the landing pool
+        out: list[PulledItem] = []
+        for n, chunk in enumerate(chunks):
+            try:
+                out += self._pull_chunk(conn, chunk)
+            except BaseException:
+                # Chunks never tried still hold leases nobody will release by a tag READ.
+                conn.release([loc.lease_id for later in chunks[n + 1:] for loc in later])
+                raise
+        return out
+
+    def _pull_chunk(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation]) -> list[PulledItem]:
+        """One block READ, then one tag READ (which releases the leases), then the checks.
+
+        A failure before the tag READ went out releases the leases by RPC, so a
+        consumer that gives up never leaves its items pinned until expiry;
+        except when the encoder's agent is gone: a dead encoder's leases died
+        with it, and calling it would only start gRPC's reconnect back-off,
+        which could refuse the first call to its restarted successor.
+        """
+        layout = conn.layout
+        landing = self.transport.landing
+        leases_pinned = True
+        local_ids: np.ndarray | None = None
         started = time.perf_counter()
         try:
+            for loc in locs:
+                self._check_location(loc, layout.block_size)
+            remote = np.fromiter((b for loc in locs for b in loc.block_ids), dtype=np.int32)
+            if len(remote) > landing.num_blocks - landing.num_quarantined:
+                raise TransportError(
+                    f"item {locs[0].mm_hash} needs {len(remote)} landing blocks; the pool has "
+                    f"{landing.num_blocks} ({landing.num_quarantined} quarantined): raise --landing-blocks")
+            try:
+                local_ids = self._acquire_landing(len(remote))
+            except TransferTimeout as exc:
+                raise self._fail(LoadFailureReason.TIMEOUT, locs, str(exc)) from exc
+            local = np.asarray(local_ids, dtype=np.int32)
             peer = conn.peer()
             try:
                 peer.read_blocks(remote, local, time.monotonic() + self.pull_timeout_s)
@@ -361,17 +390,24 @@ class EncoderCacheClient:
                 tags, gens = peer.read_tags(
                     remote, time.monotonic() + self.pull_timeout_s,
                     notif=encode_release_notification([loc.lease_id for loc in locs]))
+                leases_pinned = False
             except TransferTimeout as exc:
                 raise self._fail(LoadFailureReason.TIMEOUT, locs, str(exc)) from exc
             except (PeerDisconnected, TransportError) as exc:
                 # Any other failed READ leaves the peer in doubt: drop it, handshake next time.
                 conn.reset()
+                leases_pinned = False  # or expire at their ttl, if the encoder lives on
                 raise self._fail(LoadFailureReason.DISCONNECT, locs, str(exc)) from exc
             out = self._verify_and_copy(conn, locs, tags, gens, local)
+        except BaseException:
+            if leases_pinned:
+                conn.release([loc.lease_id for loc in locs])
+            raise
         finally:
             # Blocks of a timed-out READ were quarantined by the transport; releasing a
             # quarantined id is a no-op, so this is right on every path.
-            landing.release(local_ids)
+            if local_ids is not None:
+                landing.release(local_ids)
         elapsed = time.perf_counter() - started
         self.metrics.pull_latency.observe(elapsed)
         self.metrics.pulls.inc(len(locs))

@@ -21,11 +21,13 @@ from common.config import TlsConfig
 from common.errors import (
     AuthError,
     CacheFullError,
+    ECLoadFailure,
     EpdError,
     HandshakeError,
     InvalidMediaError,
     InvalidRequestError,
     LimitExceededError,
+    LoadFailureReason,
 )
 from common.layout import CacheLayout
 from common.metrics import PrefillMetrics
@@ -36,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 _PROTO_DTYPES = {pb2.D_TYPE_BFLOAT16: "bfloat16", pb2.D_TYPE_FLOAT16: "float16", pb2.D_TYPE_FLOAT32: "float32"}
 _RETRY_HINT = re.compile(r"retry after (\d+) ms")
+# A Release that fails pins its items until their leases expire (30 s by default), so it
+# gets at least this long even when the caller's own calls have tight deadlines.
+MIN_RELEASE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,16 +239,28 @@ class EncoderConnection:
         request = pb2.EncodeRequest(
             model_id=self.model_id, consumer_id=self.consumer_id, items=[i.to_proto() for i in items])
         resp = self._call("Encode", request)
-        out: list[pb2.ItemLocation] = []
-        for i, result in enumerate(resp.results):  # type: ignore[attr-defined]
+        results = list(resp.results)  # type: ignore[attr-defined]
+        for i, result in enumerate(results):
             if result.WhichOneof("outcome") == "error":
-                self.release([loc.lease_id for loc in out])
+                # The call fails as a whole for the caller: no location of it will be pulled.
+                self.release([r.location.lease_id for r in results if r.WhichOneof("outcome") == "location"])
                 label = f"item {i}" + (f" ({items[i].uuid})" if items[i].uuid else "")
-                if result.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
-                    raise InvalidMediaError(label, result.error.message)
-                raise EpdError(f"{label}: {result.error.message}")
-            out.append(result.location)
-        return out
+                raise self._item_error(label, result.error)
+        return [r.location for r in results]
+
+    def _item_error(self, label: str, error: pb2.ItemError) -> EpdError:
+        """Our typed error for one item's failure in an Encode answer."""
+        code, message = error.code, error.message
+        if code == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
+            return InvalidMediaError(label, message)
+        if code in (grpc.StatusCode.ABORTED.value[0], grpc.StatusCode.NOT_FOUND.value[0]):
+            # Evicted (or its lease ended) while the request ran: retryable.
+            self.metrics.load_failures.labels(reason=LoadFailureReason.EVICTED.value).inc()
+            return ECLoadFailure(LoadFailureReason.EVICTED, error.mm_hash or label,
+                                 detail=f"{label} on {self.target}: {message}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+            return LimitExceededError(f"{label}: {message}")
+        return EpdError(f"{label}: {message}")
 
     def lookup(self, mm_hashes: Sequence[str]) -> list[pb2.ItemLocation | None]:
         request = pb2.LookupRequest(model_id=self.model_id, consumer_id=self.consumer_id, mm_hashes=mm_hashes)
@@ -252,14 +269,27 @@ class EncoderConnection:
                 for r in resp.results]  # type: ignore[attr-defined]
 
     def release(self, lease_ids: Sequence[int]) -> None:
-        """Best effort: an unreleased lease expires on its own."""
+        """Give leases back without waiting for the answer (best effort: an unreleased lease expires).
+
+        Releases run on failure paths: the caller's error must not wait on a
+        slow or frozen encoder. The RPC still has its deadline.
+        """
         if not lease_ids:
             return
-        try:
-            self._stub.Release(pb2.ReleaseRequest(consumer_id=self.consumer_id, lease_ids=lease_ids),
-                               timeout=self.rpc_timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            logger.warning("release of %d leases on %s failed: %s", len(lease_ids), self.target, exc.code())
+        future = self._stub.Release.future(
+            pb2.ReleaseRequest(consumer_id=self.consumer_id, lease_ids=lease_ids),
+            timeout=max(self.rpc_timeout_s, MIN_RELEASE_TIMEOUT_S), metadata=self._metadata)
+        count, target = len(lease_ids), self.target
+
+        def done(call: grpc.Future) -> None:
+            if call.cancelled():  # the channel closed first
+                return
+            exc = call.exception()
+            if exc is not None:
+                code = exc.code() if isinstance(exc, grpc.RpcError) else exc
+                logger.warning("release of %d leases on %s failed: %s", count, target, code)
+
+        future.add_done_callback(done)
 
     def close(self) -> None:
         self.reset()

@@ -179,12 +179,14 @@ class ItemLocation(_message.Message):
     def __init__(self, mm_hash: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., tokens_per_block: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[int] = ..., generation: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_expiry_unix_ms: _Optional[int] = ..., result: _Optional[_Union[CacheResult, str]] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ItemError(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "mm_hash")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MM_HASH_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    mm_hash: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., mm_hash: _Optional[str] = ...) -> None: ...
 
 class ItemResult(_message.Message):
     __slots__ = ("uuid", "location", "error")

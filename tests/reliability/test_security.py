@@ -24,6 +24,7 @@ from common.transport import producer as producer_module
 from common.transport.binding import agent_name_of
 from common.transport.mock_wire import AgentCard
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc
+from encoder_server.cache_records import Allocation
 from encoder_server.leases import LeaseTable
 from prefill_client.client import EncoderCacheClient
 from prefill_client.encoder_conn import MediaSpec, content_key
@@ -196,7 +197,8 @@ def test_the_consumer_path_never_unpickles_or_deserializes_descriptors(
 def test_lease_ids_are_unguessable_63_bit_numbers() -> None:
     """A release notification does not say who sent it: the id alone must be a secret."""
     table: LeaseTable[int] = LeaseTable(ttl_s=60.0)
-    ids = np.array([table.grant(i, "h", "owner", now=0.0).lease_id for i in range(20_000)], dtype=np.uint64)
+    where = Allocation((0,), (1,), 1, 1)
+    ids = np.array([table.grant(i, "h", "owner", 0.0, where).lease_id for i in range(20_000)], dtype=np.uint64)
     assert len(np.unique(ids)) == ids.size
     assert int(ids.min()) > 0 and int(ids.max()) < 2**63
     assert not np.any(np.diff(ids.astype(np.int64)) == 1), "consecutive grants are neighbours"

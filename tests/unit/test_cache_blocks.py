@@ -16,9 +16,11 @@ from common.fingerprint import mm_hash_fingerprint
 from common.layout import CacheLayout
 from encoder_server.block_pool import BlockPool
 from encoder_server.cache_blocks import CacheOccupancy, EncoderCacheBlocks, Lease, SlotEntry
+from encoder_server.cache_records import Allocation
 from encoder_server.leases import LeaseStats, LeaseTable
 
 BLOCK = 4
+ONE_BLOCK = Allocation((0,), (1,), 1, 1)
 
 
 class FakeClock:
@@ -284,6 +286,65 @@ def test_acquire_requires_a_present_written_item() -> None:
     assert cache.lease_stats == LeaseStats(active=2, released=0, expired=0, rejected=0)
 
 
+def test_a_lease_carries_the_allocation_it_pinned() -> None:
+    cache, _ = make(num_blocks=9)
+    ids = cache.allocate("a", [4, 2])
+    cache.mark_written("a")
+    lease = cache.acquire("a")
+    assert lease is not None
+    assert lease.allocation == Allocation(tuple(ids), (4, 2), 6, cache.get_generation("a"))
+    # The slot map moves on (freed while pinned, re-allocated under the same hash);
+    # the lease still names the blocks and generation it pinned.
+    cache.free("a")
+    again = cache.allocate("a", [4, 2])
+    assert again is not None and set(again).isdisjoint(ids)
+    assert lease.allocation.block_ids == tuple(ids)
+    assert lease.allocation.generation < cache.get_generation("a")
+
+
+def test_a_pending_lease_does_not_expire_until_handed_out() -> None:
+    cache, clock = make(hold_ms=100, ttl_ms=1)
+    cache.allocate("a", [1])
+    cache.mark_written("a")
+    lease = cache.acquire("a", owner="req", pending=True)
+    assert lease is not None and lease.pending
+    clock.advance_ms(10_000)  # ten thousand ttls while its request waits
+    assert cache.reap_expired_leases() == 0 and cache.num_pinned_items == 1
+    assert cache.evict_lru(8) == []  # pinned: not evictable
+    started = cache.start_lease(lease.lease_id)
+    assert started is not None and not started.pending
+    assert started.lease_id == lease.lease_id and started.allocation == lease.allocation
+    assert started.expires_at == pytest.approx(clock() + 0.001)  # the ttl runs from the hand-out
+    clock.advance_ms(1)
+    assert cache.reap_expired_leases() == 1 and cache.num_pinned_items == 0
+    assert cache.start_lease(lease.lease_id) is None  # ended: nothing to hand out
+    # The hold runs from the hand-out (1 ms ago), the last time the location went out.
+    cache.free("a")
+    assert occ(cache) == (0, 7, 1)
+    clock.advance_ms(98)
+    assert occ(cache) == (0, 7, 1)
+    clock.advance_ms(1)
+    assert occ(cache) == (0, 8, 0)
+
+
+def test_a_pending_lease_ends_at_its_ceiling_or_when_released() -> None:
+    clock = FakeClock()
+    layout = CacheLayout(num_blocks=4, block_size=BLOCK, out_hidden_size=2, num_deepstack_levels=1,
+                         dtype=torch.float32)
+    cache = EncoderCacheBlocks(layout, 0, lease_ttl_ms=5, pending_lease_ttl_ms=50, clock=clock)
+    cache.allocate("a", [1])
+    cache.mark_written("a")
+    first = cache.acquire("a", owner="r", pending=True)
+    second = cache.acquire("a", owner="r", pending=True)
+    assert first is not None and second is not None
+    assert cache.release(second.lease_id, owner="r")
+    clock.advance_ms(49)
+    assert cache.reap_expired_leases() == 0
+    clock.advance_ms(1)
+    assert cache.reap_expired_leases() == 1 and cache.start_lease(first.lease_id) is None
+    assert cache.lease_stats == LeaseStats(active=0, released=1, expired=1, rejected=0)
+
+
 def test_release_checks_id_and_owner_and_counts_rejections() -> None:
     cache, _ = make()
     cache.allocate("a", [1])
@@ -457,7 +518,7 @@ def test_next_reusable_in_ms_rounds_up() -> None:
 def test_records_are_slotted() -> None:
     entry = SlotEntry("a", [0], [1], 1, 1)
     assert not hasattr(entry, "__dict__")
-    for record in (Lease(1, "a", "", 0.0), LeaseStats(0, 0, 0, 0), CacheOccupancy(0, 0, 0, 0, 0, 0)):
+    for record in (Lease(1, "a", "", 0.0, ONE_BLOCK), ONE_BLOCK, LeaseStats(0, 0, 0, 0), CacheOccupancy(0, 0, 0, 0, 0, 0)):
         assert not hasattr(record, "__dict__")
     with pytest.raises(AttributeError):
         entry.unknown = 1  # type: ignore[attr-defined]
@@ -476,9 +537,9 @@ def test_block_pool_orders_by_release_time() -> None:
 
 def test_lease_table_compacts_its_heap_without_losing_live_leases() -> None:
     table: LeaseTable[str] = LeaseTable(ttl_s=100.0)
-    keep = table.grant("keep", "k", "", now=0.0)
+    keep = table.grant("keep", "k", "", 0.0, ONE_BLOCK)
     for i in range(500):
-        lease = table.grant(f"p{i}", "x", "", now=float(i) / 1000)
+        lease = table.grant(f"p{i}", "x", "", float(i) / 1000, ONE_BLOCK)
         assert table.release(lease.lease_id, None, now=1.0) == f"p{i}"
     assert len(table._expiry) < 100  # rebuilt from the live leases
     assert table.reap(now=99.0) == []

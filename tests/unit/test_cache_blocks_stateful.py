@@ -1,8 +1,8 @@
 """Stateful property test of the encoder's block allocator against a reference model.
 
-Random sequences of allocate / mark_written / acquire / release / free / evict /
-touch / admission queries / clock advances, checked step by step against a
-model. Time is kept in ticks of 1/1024 s and holds and lease TTLs are multiples
+Random sequences of allocate / mark_written / acquire (handed out at once or
+pending) / start_lease / release / free / evict / touch / admission queries /
+clock advances, checked step by step against a model. Time is kept in ticks of 1/1024 s and holds and lease TTLs are multiples
 of 125 ms, so clock values and deadlines are exact in binary floating point and
 the model demands exact agreement on when a block becomes reusable and when a
 lease expires; one rule jumps to one tick before, or exactly onto, the next
@@ -27,7 +27,8 @@ from hypothesis.stateful import (
 
 from common.fingerprint import mm_hash_fingerprint
 from common.layout import CacheLayout
-from encoder_server.cache_blocks import EncoderCacheBlocks
+from encoder_server.cache_blocks import DEFAULT_PENDING_LEASE_TTL_MS, EncoderCacheBlocks
+from encoder_server.cache_records import Allocation
 
 TICKS_PER_S = 1024
 BLOCK_SIZE = 4
@@ -58,6 +59,7 @@ class ModelLease:
     owner: str
     expires: int
     ended: bool = False
+    pending: bool = False
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -187,22 +189,54 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.mark_written(name)
         item.written_at = self.ticks
 
-    @rule(data=st.data(), owner=st.sampled_from(OWNERS), later=st.sampled_from([0, 0, 100, 200]))
-    def acquire(self, data: st.DataObject, owner: str, later: int) -> None:
-        """``later``: a consumer arriving some time after the write moves the hold start."""
+    @rule(data=st.data(), owner=st.sampled_from(OWNERS), later=st.sampled_from([0, 0, 100, 200]),
+          pending=st.booleans())
+    def acquire(self, data: st.DataObject, owner: str, later: int, pending: bool) -> None:
+        """``later``: a consumer arriving some time after the write moves the hold start.
+        ``pending``: taken by a request still running; expires only at the ceiling until started."""
         self.ticks += later
         name = self.draw_name(data, lambda it: it.written_at is not None)
         item = self.present.get(name)
-        lease = self.cache.acquire(name, owner=owner)
+        lease = self.cache.acquire(name, owner=owner, pending=pending)
         if item is None or item.written_at is None:
             assert lease is None
             return
         assert lease is not None and lease.mm_hash == name and lease.owner == owner
-        assert lease.lease_id not in self.leases
-        assert lease.expires_at == (self.ticks + self.ttl) / TICKS_PER_S
+        assert lease.lease_id not in self.leases and lease.pending == pending
+        assert lease.allocation == Allocation(tuple(item.blocks), tuple(item.tpb), sum(item.tpb), item.generation)
+        expires = self.ticks + (ms_to_ticks(DEFAULT_PENDING_LEASE_TTL_MS) if pending else self.ttl)
+        assert lease.expires_at == expires / TICKS_PER_S
         item.last_acquire = self.ticks
         item.leases.add(lease.lease_id)
-        self.leases[lease.lease_id] = ModelLease(item, owner, self.ticks + self.ttl)
+        self.leases[lease.lease_id] = ModelLease(item, owner, expires, pending=pending)
+
+    @rule(data=st.data(), later=st.sampled_from([0, 100, 200]))
+    def start_lease(self, data: st.DataObject, later: int) -> None:
+        """Hand a lease's location out (pending or not): its ttl and the item's hold start now."""
+        self.ticks += later
+        # Grant order: the draws must not depend on random ids. Mostly a live pending lease.
+        pending = [i for i, le in self.leases.items() if self.live(le) and le.pending]
+        known = list(self.leases)
+        if pending and data.draw(st.integers(0, 3)) > 0:
+            lease_id = pending[data.draw(st.integers(0, len(pending) - 1))]
+        else:
+            pick = data.draw(st.integers(0, len(known)))
+            lease_id = known[pick] if pick < len(known) else UNKNOWN_LEASE
+        lease = self.leases.get(lease_id)
+        started = self.cache.start_lease(lease_id)
+        if lease is None or not self.live(lease):
+            assert started is None
+            return
+        assert started is not None and not started.pending and started.lease_id == lease_id
+        item = lease.item
+        assert started.allocation.block_ids == tuple(item.blocks)
+        assert started.allocation.generation == item.generation
+        lease.expires = self.ticks + self.ttl
+        lease.pending = False
+        assert started.expires_at == lease.expires / TICKS_PER_S
+        item.last_acquire = self.ticks
+        if any(it is item for it in self.doomed):  # freed while pinned: its blocks' hold now runs from this hand-out
+            self.release_blocks(item)
 
     @rule(data=st.data(), owner=st.sampled_from([None, *OWNERS]))
     def release(self, data: st.DataObject, owner: str | None) -> None:
@@ -254,7 +288,7 @@ class CacheMachine(RuleBasedStateMachine):
           to_deadline=st.sampled_from([None, -1, 0]))
     def advance(self, ticks: int, to_deadline: int | None) -> None:
         """Forward by ``ticks``, or to one tick before / exactly at the next hold end or lease expiry."""
-        deadlines = [le.expires for le in self.leases.values() if self.live(le)]
+        deadlines: list[float] = [le.expires for le in self.leases.values() if self.live(le)]
         deadlines += [at for at in self.reusable_at.values() if at > self.ticks]
         if to_deadline is None or not deadlines:
             self.ticks += ticks

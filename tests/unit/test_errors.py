@@ -17,6 +17,7 @@ EXPECTED = {
     errors.StaleIncarnationError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.CacheFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NotFoundError: grpc.StatusCode.NOT_FOUND,
+    errors.ItemLostError: grpc.StatusCode.ABORTED,
     errors.ServiceDraining: grpc.StatusCode.UNAVAILABLE,
     errors.TransportError: grpc.StatusCode.UNAVAILABLE,
     errors.TransportUnavailable: grpc.StatusCode.FAILED_PRECONDITION,

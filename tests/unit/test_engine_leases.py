@@ -1,0 +1,206 @@
+"""The engine's answer for an item is the allocation its lease pinned, or a typed per-item error.
+
+Deterministic reproductions of the interleaving behind wrong embeddings: a
+request pins a hit, then waits for its miss; meanwhile the hit's lease would
+expire, the item is freed and re-allocated under the same ``mm_hash`` by
+another request (new blocks, new generation, stamped but not yet written).
+The encoder graph is a fake that writes a value per run and blocks on a gate,
+so every step happens exactly when the test says. Cache time is a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import grpc
+import pytest
+import torch
+
+from common.errors import ItemLostError
+from common.layout import CacheLayout
+from common.metrics import EncoderMetrics
+from encoder_server.cache_blocks import EncoderCacheBlocks
+from encoder_server.engine import EncoderEngine, Failed, Located, MediaInput
+from encoder_server.preprocess import PreprocessConfig, Preprocessor, ProcessedItem
+from tests.support.media import image_bytes
+
+BLOCK = 64  # a 64x64 image is 64 tokens (Qwen3-VL's minimum): one block
+X = MediaInput("image", (image_bytes(64, 64, seed=1),))
+Y = MediaInput("image", (image_bytes(64, 64, seed=2),))
+Z = MediaInput("image", (image_bytes(64, 64, seed=3),))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class GatedRunner:
+    """Writes ``run number`` into every row of each item; each run waits for the test to open it."""
+
+    max_batch_tokens = 4 * BLOCK
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.entered = threading.Semaphore(0)
+        self.gates: list[threading.Event] = []
+        self.auto = True  # runs pass without waiting until a test closes the gate
+
+    def write(self, items: Sequence[ProcessedItem], block_ids: Sequence[Sequence[int]],
+              tokens_per_block: Sequence[Sequence[int]], buffer: torch.Tensor, scratch_block_id: int) -> torch.Tensor:
+        self.runs += 1
+        value = float(self.runs)
+        gate = threading.Event()
+        self.gates.append(gate)
+        self.entered.release()
+        if not self.auto:
+            assert gate.wait(30), "the test never opened this run"
+        for blocks, counts in zip(block_ids, tokens_per_block):
+            for b, n in zip(blocks, counts):
+                buffer[b, :n] = value
+        return buffer
+
+
+def make_engine(*, num_blocks: int = 6, pending_ttl_ms: int = 600_000) -> tuple[EncoderEngine, FakeClock, GatedRunner]:
+    clock = FakeClock()
+    layout = CacheLayout(num_blocks=num_blocks, block_size=BLOCK, out_hidden_size=4, num_deepstack_levels=0,
+                         dtype=torch.float32)
+    # Hostile settings: no hold, leases of a millisecond.
+    cache = EncoderCacheBlocks(layout, 0, lease_ttl_ms=1, pending_lease_ttl_ms=pending_ttl_ms, clock=clock)
+    runner = GatedRunner()
+    engine = EncoderEngine(cache=cache, preprocessor=Preprocessor(PreprocessConfig()), runner=runner,
+                           metrics=EncoderMetrics(), model_id="m", preprocess_fingerprint="p")
+    return engine, clock, runner
+
+
+async def wait_entered(runner: GatedRunner) -> None:
+    assert await asyncio.to_thread(runner.entered.acquire, True, 30), "encoder run never started"
+
+
+def rows(engine: EncoderEngine, loc: Located) -> torch.Tensor:
+    return torch.cat([engine.cache.buffer[b, :n] for b, n in zip(loc.block_ids, loc.tokens_per_block)])
+
+
+def test_answer_is_the_pinned_allocation_after_expiry_eviction_and_reallocation() -> None:
+    async def scenario() -> None:
+        engine, clock, runner = make_engine()
+        await engine.start()
+        try:
+            first = (await engine.encode([X], "seed"))[0]
+            assert isinstance(first, Located) and not first.hit
+            await wait_entered(runner)
+            assert engine.release([first.lease.lease_id], "seed") == 1
+            runner.auto = False
+
+            # Request A: X is a hit (pinned, pending), Y a miss whose run is held at the gate.
+            a = asyncio.create_task(engine.encode([X, Y], "a"))
+            await wait_entered(runner)
+            # A thousand lease ttls pass while A waits: its pending lease on X must hold.
+            clock.now += 1.0
+            engine.housekeeping()
+            assert engine.cache.num_pinned_items == 1 and engine.cache.lease_stats.expired == 0
+            # Force the interleaving anyway: X leaves the slot map and B re-allocates it
+            # (new blocks, new generation, stamped, not yet written: B's run waits at the gate).
+            engine.cache.free(engine.mm_hash(X.content_hash()))
+            b = asyncio.create_task(engine.encode([X], "b"))
+            for _ in range(200):
+                await asyncio.sleep(0.005)
+                if engine.cache.contains(engine.mm_hash(X.content_hash())):
+                    break
+            new_ids = engine.cache.get_block_ids(engine.mm_hash(X.content_hash()))
+            assert set(new_ids).isdisjoint(first.block_ids)
+            runner.gates[-1].set()  # A's run (Y) finishes; B's run (X again) starts and waits
+            x, y = await asyncio.wait_for(a, 30)
+            await wait_entered(runner)
+
+            assert isinstance(x, Located) and isinstance(y, Located)
+            assert x.hit and not y.hit
+            assert x.block_ids == first.block_ids and x.generation == first.generation
+            assert torch.all(rows(engine, x) == 1.0), "A must get the rows written by the first run"
+            assert torch.all(rows(engine, y) == 2.0)
+            tags = engine.cache.mm_hash_tags[list(x.block_ids)]
+            assert torch.all(tags == x.fingerprint)
+
+            runner.gates[-1].set()
+            (x_again,) = await asyncio.wait_for(b, 30)
+            assert isinstance(x_again, Located) and not x_again.hit
+            assert x_again.generation > first.generation and list(x_again.block_ids) == new_ids
+            assert torch.all(rows(engine, x_again) == 3.0)
+        finally:
+            for gate in runner.gates:
+                gate.set()
+            await engine.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_lease_that_ended_while_its_request_waited_is_a_typed_per_item_error() -> None:
+    async def scenario() -> None:
+        engine, clock, runner = make_engine(pending_ttl_ms=50)
+        await engine.start()
+        try:
+            first = (await engine.encode([X], "seed"))[0]
+            assert isinstance(first, Located)
+            await wait_entered(runner)
+            engine.release([first.lease.lease_id], "seed")
+            runner.auto = False
+            a = asyncio.create_task(engine.encode([X, Y], "a"))
+            await wait_entered(runner)
+            clock.now += 0.05  # past even the pending ceiling: the backstop ends A's lease on X
+            engine.housekeeping()
+            assert engine.cache.num_pinned_items == 0
+            # X is evicted and its blocks re-used for Z while A still waits.
+            c = asyncio.create_task(engine.encode([Z], "c"))
+            for _ in range(200):
+                await asyncio.sleep(0.005)
+                if not engine.cache.contains(engine.mm_hash(X.content_hash())):
+                    break
+            runner.gates[-1].set()
+            x, y = await asyncio.wait_for(a, 30)
+            assert isinstance(x, Failed) and isinstance(x.error, ItemLostError)
+            assert x.error.grpc_code is grpc.StatusCode.ABORTED and x.mm_hash in str(x.error)
+            assert isinstance(y, Located) and torch.all(rows(engine, y) == 2.0)
+            await wait_entered(runner)
+            runner.gates[-1].set()
+            await asyncio.wait_for(c, 30)
+        finally:
+            for gate in runner.gates:
+                gate.set()
+            await engine.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_request_leaves_no_lease() -> None:
+    async def scenario() -> None:
+        engine, _, runner = make_engine()
+        await engine.start()
+        try:
+            first = (await engine.encode([X], "seed"))[0]
+            assert isinstance(first, Located)
+            await wait_entered(runner)
+            engine.release([first.lease.lease_id], "seed")
+            runner.auto = False
+            a = asyncio.create_task(engine.encode([X, Y], "a"))
+            await wait_entered(runner)
+            assert engine.cache.lease_stats.active == 1  # the hit, pending
+            a.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await a
+            runner.gates[-1].set()
+            for _ in range(200):  # the run completes; its only waiter is gone
+                await asyncio.sleep(0.005)
+                if engine.cache.is_written(engine.mm_hash(Y.content_hash())):
+                    break
+            assert engine.cache.lease_stats.active == 0 and engine.cache.num_pinned_items == 0
+        finally:
+            for gate in runner.gates:
+                gate.set()
+            await engine.stop()
+
+    asyncio.run(scenario())
