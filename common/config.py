@@ -287,7 +287,7 @@ def iter_settings(cls: type, prefix: tuple[str, ...] = ()) -> Iterator[SettingIn
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             yield from iter_settings(hint, prefix + (f.name,))
             continue
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")

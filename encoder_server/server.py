@@ -54,16 +54,16 @@ class _TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(deny)
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         if details.method.startswith(_PROTECTED_PREFIX):
             presented = b""
             for key, value in details.invocation_metadata or ():

@@ -55,6 +55,7 @@ DTYPE_TO_PROTO = {
     "float32": pb2.D_TYPE_FLOAT32,
 }
 
+Context = grpc.aio.ServicerContext[Any, Any]
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
@@ -117,7 +118,7 @@ def add_to_server(servicer: EncoderCacheServicer, server: grpc.aio.Server) -> No
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+async def _abort(context: Context, code: grpc.StatusCode, message: str) -> None:
     """``context.abort``, for a call whose caller may be gone.
 
     When the caller's deadline passed or it cancelled, gRPC has ended the call
@@ -138,7 +139,7 @@ def _rpc(method: str) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[...
 
     def wrap(fn: Callable[..., Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
         @functools.wraps(fn)
-        async def handler(self: EncoderCacheServicer, request: Any, context: grpc.aio.ServicerContext) -> Resp:
+        async def handler(self: EncoderCacheServicer, request: Any, context: Context) -> Resp:
             code = grpc.StatusCode.OK
             try:
                 if isinstance(request, MalformedRequest):
@@ -226,7 +227,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
     # --- handlers --------------------------------------------------------------------
 
     @_rpc("Handshake")
-    async def Handshake(self, request: pb2.HandshakeRequest, context: grpc.aio.ServicerContext
+    async def Handshake(self, request: pb2.HandshakeRequest, context: Context
                         ) -> pb2.HandshakeResponse:
         if request.protocol_version != PROTOCOL_VERSION:
             raise HandshakeError(
@@ -248,7 +249,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         return response
 
     @_rpc("Encode")
-    async def Encode(self, request: pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> pb2.EncodeResponse:
+    async def Encode(self, request: pb2.EncodeRequest, context: Context) -> pb2.EncodeResponse:
         self._check_model(request.model_id)
         self._check_incarnation(request.incarnation_id)
         self._check_label("consumer_id", request.consumer_id)
@@ -266,7 +267,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
             incarnation_id=self.incarnation_id)
 
     @_rpc("Lookup")
-    async def Lookup(self, request: pb2.LookupRequest, context: grpc.aio.ServicerContext) -> pb2.LookupResponse:
+    async def Lookup(self, request: pb2.LookupRequest, context: Context) -> pb2.LookupResponse:
         self._check_model(request.model_id)
         self._check_incarnation(request.incarnation_id)
         self._check_label("consumer_id", request.consumer_id)
@@ -283,7 +284,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
             results=[self._result("", r) for r in results], incarnation_id=self.incarnation_id)
 
     @_rpc("Release")
-    async def Release(self, request: pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb2.ReleaseResponse:
+    async def Release(self, request: pb2.ReleaseRequest, context: Context) -> pb2.ReleaseResponse:
         self._check_label("consumer_id", request.consumer_id)
         if len(request.lease_ids) > MAX_RELEASES_PER_REQUEST:
             raise LimitExceededError(
@@ -294,7 +295,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
     # --- delivery --------------------------------------------------------------------
 
     def _deliver_or_drop(
-        self, context: grpc.aio.ServicerContext, results: list[Located | Failed], consumer_id: str
+        self, context: Context, results: list[Located | Failed], consumer_id: str
     ) -> None:
         """Leave no lease behind in an answer its caller will never read.
 
@@ -315,14 +316,15 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
             self._drop(lease_ids, consumer_id)
             raise asyncio.TimeoutError
 
-        def after(ctx: grpc.aio.ServicerContext) -> None:
+        def after(ctx: Context) -> None:
             # Within the margin of the deadline the caller may have given up first (its clock
             # and ours differ by the time the request took to arrive): drop rather than pin.
             left = ctx.time_remaining()
             if left is not None and left < ANSWER_MARGIN_S:
                 self._drop(lease_ids, consumer_id)
 
-        context.add_done_callback(after)
+        # types-grpcio declares the callback type as a class, not a protocol: no function matches it.
+        context.add_done_callback(after)  # type: ignore[arg-type]
 
     def _drop(self, lease_ids: list[int], consumer_id: str) -> None:
         dropped = self.engine.release(lease_ids, consumer_id)

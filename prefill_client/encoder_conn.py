@@ -281,7 +281,7 @@ class EncoderConnection:
             timeout=max(self.rpc_timeout_s, MIN_RELEASE_TIMEOUT_S), metadata=self._metadata)
         count, target = len(lease_ids), self.target
 
-        def done(call: grpc.Future) -> None:
+        def done(call: grpc.Future[pb2.ReleaseResponse]) -> None:
             if call.cancelled():  # the channel closed first
                 return
             exc = call.exception()

@@ -147,7 +147,7 @@ def wait_serving(target: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     status = "no answer"
     with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+        stub: Any = health_pb2_grpc.HealthStub(channel)  # its stubs declare no methods
         while True:
             left = deadline - time.monotonic()
             if left <= 0:

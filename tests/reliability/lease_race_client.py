@@ -92,7 +92,8 @@ def main(argv: list[str]) -> int:
                 if not matches(item.embeddings, refs[i]):
                     diff = (item.embeddings.float() - refs[i].float()).abs().max().item() \
                         if item.embeddings.shape == refs[i].shape else float("inf")
-                    wrong.append({"image": i, "mm_hash": item.mm_hash, "source": item.source, "max_diff": diff})
+                    wrong.append({"image": i, "mm_hash": item.mm_hash, "source": item.source,
+                                  "max_diff": diff})
     print(json.dumps({"requests": requests, "delivered": delivered, "wrong": wrong,
                       "outcomes": dict(outcomes), "sources": dict(sources)}), flush=True)
     return 0
