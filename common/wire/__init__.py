@@ -14,7 +14,10 @@ from common.wire import encoder_cache_pb2_grpc as pb2_grpc
 #   1 - first version: Handshake / Encode / Lookup / Release; blocks are read
 #       before tags and generations; leases released by RPC or by the NIXL
 #       notification on the tag read.
-PROTOCOL_VERSION = 1
+#   2 - item content digests (the input of every mm_hash) are BLAKE3 instead of
+#       BLAKE2b: a version-1 peer would name the same bytes by another mm_hash.
+#       ItemError carries the item's mm_hash.
+PROTOCOL_VERSION = 2
 
 SERVICE_NAME = "epd.v1.EncoderCacheService"
 

@@ -105,7 +105,7 @@ class Scenario:
 
 
 def _quiet_encoder(enc: EncoderProcess) -> Scrape:
-    """Scrape once every lease of the last step is released (the release travels on the tag READ)."""
+    """Scrape once every lease of the last step is released (the client releases them in a batch after the pull)."""
     deadline = time.monotonic() + QUIET_TIMEOUT_S
     while True:
         s = scrape(enc.metrics_port)
