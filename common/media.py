@@ -62,7 +62,7 @@ class PreprocessParams:
                 self.video_max_pixels if self.video_max_pixels is not None else self.max_pixels)
 
 
-def content_hash(kind: str, frames: Sequence[bytes], fps: float | None = None) -> str:
+def content_hash(kind: str, frames: Sequence[bytes | memoryview], fps: float | None = None) -> str:
     """Digest (BLAKE3, 128 bits) of an item's bytes; frames are length-prefixed so boundaries count."""
     if kind not in ("image", "video"):
         raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")

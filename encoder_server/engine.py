@@ -76,7 +76,7 @@ class MediaInput:
     """One item of an Encode request, as bytes (never decoded yet)."""
 
     kind: str  # "image" | "video"
-    frames: tuple[bytes, ...]  # one entry for an image
+    frames: tuple[bytes | memoryview, ...]  # one entry for an image; views into the request bytes
     fps: float | None = None
     label: str = ""
 
@@ -433,9 +433,10 @@ class EncoderEngine:
 
     def _decode(self, source: MediaInput, index: int) -> ProcessedItem:
         label = f"item {index}" + (f" ({source.label})" if source.label else "")
+        frames = [bytes(f) for f in source.frames]  # copied only for items that are decoded
         if source.kind == "image":
-            return self.preprocessor.image(source.frames[0], item=label)
-        return self.preprocessor.video(source.frames, fps=source.fps, item=label)
+            return self.preprocessor.image(frames[0], item=label)
+        return self.preprocessor.video(frames, fps=source.fps, item=label)
 
     def _admit(
         self, processed: dict[str, ProcessedItem], consumer_id: str, waiters: dict[str, _Waiter]

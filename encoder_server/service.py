@@ -37,6 +37,7 @@ from common.layout import CacheLayout, dtype_name
 from common.media import PreprocessParams
 from common.metrics import EncoderMetrics
 from common.wire import PROTOCOL_VERSION, SERVICE_NAME, pb2, pb2_grpc
+from encoder_server.encode_request import EncodeView, ItemView, parse_encode_request
 from encoder_server.engine import EncoderEngine, Failed, Located, MediaInput
 
 logger = logging.getLogger(__name__)
@@ -90,10 +91,11 @@ class MalformedRequest:
     detail: str
 
 
-def _tolerant(message: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
-    def deserialize(data: bytes) -> Message | MalformedRequest:
+def _tolerant(message: type[Message], parse: Callable[[bytes], object] | None = None
+              ) -> Callable[[bytes], object]:
+    def deserialize(data: bytes) -> object:
         try:
-            return message.FromString(data)
+            return (parse or message.FromString)(data)
         except DecodeError as exc:
             return MalformedRequest(message.DESCRIPTOR.full_name, str(exc))
 
@@ -108,9 +110,11 @@ def add_to_server(servicer: EncoderCacheServicer, server: grpc.aio.Server) -> No
         "Lookup": (pb2.LookupRequest, pb2.LookupResponse),
         "Release": (pb2.ReleaseRequest, pb2.ReleaseResponse),
     }
+    # Encode requests are read without copying their media (encode_request.py).
+    parsers: dict[str, Callable[[bytes], object]] = {"Encode": parse_encode_request}
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, name), request_deserializer=_tolerant(request),
+            getattr(servicer, name), request_deserializer=_tolerant(request, parsers.get(name)),
             response_serializer=response.SerializeToString)
         for name, (request, response) in signatures.items()
     }
@@ -249,7 +253,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         return response
 
     @_rpc("Encode")
-    async def Encode(self, request: pb2.EncodeRequest, context: Context) -> pb2.EncodeResponse:
+    async def Encode(self, request: EncodeView, context: Context) -> pb2.EncodeResponse:
         self._check_model(request.model_id)
         self._check_incarnation(request.incarnation_id)
         self._check_label("consumer_id", request.consumer_id)
@@ -338,14 +342,12 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         if self.draining:
             raise ServiceDraining("encoder is draining for shutdown; use another encoder")
 
-    def _media(self, index: int, item: pb2.MediaItem) -> MediaInput:
+    def _media(self, index: int, item: ItemView) -> MediaInput:
         self._check_label(f"item {index} uuid", item.uuid)
-        kind = item.WhichOneof("media")
-        if kind == "image":
-            return MediaInput("image", (item.image,), None, item.uuid)
-        if kind == "video":
-            fps = item.video.fps if item.video.fps > 0 else None
-            return MediaInput("video", tuple(item.video.frames), fps, item.uuid)
+        if item.kind == "image":
+            return MediaInput("image", item.frames, None, item.uuid)
+        if item.kind == "video":
+            return MediaInput("video", item.frames, item.fps if item.fps > 0 else None, item.uuid)
         raise InvalidRequestError(f"item {index} carries neither an image nor a video")
 
     @staticmethod

@@ -12,8 +12,9 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -33,7 +34,7 @@ from common.errors import (
 from common.layout import CacheLayout
 from common.metrics import PrefillMetrics
 from common.transport import ConsumerTransport, ProducerPeer
-from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc
+from common.wire import PROTOCOL_VERSION, SERVICE_NAME, pb2, pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,51 @@ class MediaSpec:
 def content_key(item: MediaSpec) -> str:
     """Digest of an item's bytes: the routing key (the only variable input of its mm_hash)."""
     return item.key()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        if not n:
+            out.append(low)
+            return bytes(out)
+        out.append(low | 0x80)
+
+
+def _length_delimited(field_number: int, size: int) -> bytes:
+    """Key and length of a length-delimited field (wire type 2); the payload follows."""
+    return _varint(field_number << 3 | 2) + _varint(size)
+
+
+_ITEMS_FIELD = pb2.EncodeRequest.DESCRIPTOR.fields_by_name["items"].number
+_IMAGE_FIELD = pb2.MediaItem.DESCRIPTOR.fields_by_name["image"].number
+_UUID_FIELD = pb2.MediaItem.DESCRIPTOR.fields_by_name["uuid"].number
+
+
+def encode_request_bytes(model_id: str, consumer_id: str, incarnation_id: str, items: Sequence[MediaSpec]) -> bytes:
+    """An ``EncodeRequest`` in protobuf wire format, each image's bytes copied once.
+
+    Built through protobuf, every image is copied into the message and again
+    into the serialized string: 40 ms for 30 512x512 PNGs here, twice what
+    gRPC takes to send them. Protobuf reads concatenated fields as one
+    message, so the small fields are serialized by protobuf and each image
+    item is framed here (videos go through protobuf). A test checks the bytes
+    parse to exactly the message protobuf would build.
+    """
+    head = pb2.EncodeRequest(model_id=model_id, consumer_id=consumer_id, incarnation_id=incarnation_id)
+    parts = [head.SerializeToString()]
+    for item in items:
+        if item.kind == "image":
+            image = item.frames[0]
+            inner = [_length_delimited(_IMAGE_FIELD, len(image)), image]
+            if item.uuid:
+                label = item.uuid.encode()
+                inner += [_length_delimited(_UUID_FIELD, len(label)), label]
+        else:
+            inner = [item.to_proto().SerializeToString()]
+        parts += [_length_delimited(_ITEMS_FIELD, sum(len(p) for p in inner)), *inner]
+    return b"".join(parts)
 
 
 def layout_from_proto(msg: pb2.CacheLayout) -> CacheLayout:
@@ -142,6 +188,10 @@ class EncoderConnection:
         self._metadata = (("authorization", f"Bearer {tls.auth_token}"),) if tls.auth_token else ()
         self._channel = self._open_channel(target, tls)
         self._stub = pb2_grpc.EncoderCacheServiceStub(self._channel)
+        # Encode takes its request already in wire format (encode_request_bytes).
+        self._encode_raw: grpc.UnaryUnaryMultiCallable[bytes, pb2.EncodeResponse] = self._channel.unary_unary(
+            f"/{SERVICE_NAME}/Encode", request_serializer=None,
+            response_deserializer=pb2.EncodeResponse.FromString)
         self._lock = threading.Lock()
         self._release_lock = threading.Lock()  # not _lock: that one is held across a handshake
         self._releases: set[grpc.Future[pb2.ReleaseResponse]] = set()
@@ -225,13 +275,14 @@ class EncoderConnection:
 
     # --- RPCs --------------------------------------------------------------------------------
 
-    def _call(self, method: str, request: object) -> object:
-        """One RPC against the current incarnation; a changed incarnation re-handshakes once."""
+    def _call(self, rpc: Callable[..., Any], build: Callable[[str], object]) -> Any:
+        """One RPC against the current incarnation (``build(incarnation_id)`` makes the request);
+        a changed incarnation re-handshakes once."""
         for attempt in range(2):
             self.peer()
-            request.incarnation_id = self.incarnation_id  # type: ignore[attr-defined]
+            request = build(self.incarnation_id)
             try:
-                resp = getattr(self._stub, method)(request, timeout=self.rpc_timeout_s, metadata=self._metadata)
+                resp = rpc(request, timeout=self.rpc_timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "incarnation" in (exc.details() or ""):
                     self.reset()
@@ -247,10 +298,9 @@ class EncoderConnection:
         raise HandshakeError(f"encoder {self.target} changed incarnation twice during one call")
 
     def encode(self, items: Sequence[MediaSpec]) -> list[pb2.ItemLocation]:
-        request = pb2.EncodeRequest(
-            model_id=self.model_id, consumer_id=self.consumer_id, items=[i.to_proto() for i in items])
-        resp = self._call("Encode", request)
-        results = list(resp.results)  # type: ignore[attr-defined]
+        resp = self._call(self._encode_raw, lambda incarnation: encode_request_bytes(
+            self.model_id, self.consumer_id, incarnation, items))
+        results = list(resp.results)
         for i, result in enumerate(results):
             if result.WhichOneof("outcome") == "error":
                 # The call fails as a whole for the caller: no location of it will be pulled.
@@ -274,10 +324,9 @@ class EncoderConnection:
         return EpdError(f"{label}: {message}")
 
     def lookup(self, mm_hashes: Sequence[str]) -> list[pb2.ItemLocation | None]:
-        request = pb2.LookupRequest(model_id=self.model_id, consumer_id=self.consumer_id, mm_hashes=mm_hashes)
-        resp = self._call("Lookup", request)
-        return [r.location if r.WhichOneof("outcome") == "location" else None
-                for r in resp.results]  # type: ignore[attr-defined]
+        resp = self._call(self._stub.Lookup, lambda incarnation: pb2.LookupRequest(
+            model_id=self.model_id, consumer_id=self.consumer_id, mm_hashes=mm_hashes, incarnation_id=incarnation))
+        return [r.location if r.WhichOneof("outcome") == "location" else None for r in resp.results]
 
     def release(self, lease_ids: Sequence[int]) -> None:
         """Give leases back without waiting for the answer (best effort: an unreleased lease expires).

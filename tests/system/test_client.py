@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from common import media
 from common.errors import CacheFullError, ECLoadFailure, InvalidMediaError, LoadFailureReason
 from common.transport import PostInfo
 from prefill_client.client import EncoderCacheClient
@@ -191,3 +192,41 @@ def test_two_encoders_spread_items_and_fail_over(tmp_path) -> None:
     finally:
         a.kill()
         assert b.terminate() == 0, b.log()
+
+
+def test_one_bad_item_of_a_batched_pull_fails_alone(tmp_path) -> None:
+    """Three items come back in one Encode answer and are pulled in one block READ and one tag READ.
+    Between the two READs the first item is evicted and its block given to another item. The call
+    raises ECLoadFailure(tag_mismatch) naming that item; the other two were verified and are kept
+    (local cache), so a retry pulls only what failed."""
+    enc = start_encoder(tmp_path, "--transport", "mock", "--cache-blocks", "4", "--block-size", "64",
+                        "--min-hold-ms", "0", "--lease-ttl-ms", "200")
+    a, b, c, d = (image_bytes(64, 64, seed=s) for s in (11, 12, 13, 14))
+    try:
+        with EncoderCacheClient(enc.target, MODEL, transport_kind="mock") as client, \
+                EncoderCacheClient(enc.target, MODEL, transport_kind="mock") as other:
+            def evict_first(info: PostInfo) -> None:
+                if not _is_tag_read(info):
+                    return
+                client.transport.agent.faults.before_post = None
+                time.sleep(0.3)  # past the lease TTL: all three are evictable, the first is least recent
+                _encode_when_admitted(other, d)
+
+            client.media_params()
+            posts: list[PostInfo] = []
+            client.transport.agent.faults.before_post = lambda info: (posts.append(info), evict_first(info))
+            with pytest.raises(ECLoadFailure) as info:
+                client.encode([MediaSpec.image(x) for x in (a, b, c)])
+            assert info.value.reason is LoadFailureReason.TAG_MISMATCH
+            assert len(posts) == 2, "one block READ and one tag READ for the whole batch"
+            assert info.value.mm_hash == media.mm_hash(MODEL, client.media_params()[1], MediaSpec.image(a).key())
+            kept = [h for h in client._local._items]  # noqa: SLF001 - what the local cache holds
+            assert len(kept) == 2 and info.value.mm_hash not in kept
+            for h, ref in zip(kept, (REF.image(b), REF.image(c))):
+                assert matches(client.cached(h).embeddings, ref)
+            # The retry finds the two locally and pulls only the first again.
+            again = client.encode([MediaSpec.image(x) for x in (a, b, c)])
+            assert [p.source for p in again] == ["miss", "local", "local"]
+            assert matches(again[0].embeddings, REF.image(a))
+    finally:
+        assert enc.terminate() == 0, enc.log()

@@ -39,3 +39,54 @@ def test_buf_lint_standard(repo_root, venv_bin) -> None:
         pytest.skip("buf is not installed (it comes with the test extra, buf-bin)")
     result = subprocess.run([buf, "lint"], cwd=repo_root, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("incarnation", ["", "f" * 32])
+def test_hand_framed_encode_request_parses_to_what_protobuf_builds(incarnation: str) -> None:
+    from prefill_client.encoder_conn import MediaSpec, encode_request_bytes
+
+    big = bytes(range(256)) * 1200  # a length that needs a three-byte varint
+    items = [MediaSpec.image(b"\x89PNG small"), MediaSpec.image(big, uuid="label é"),
+             MediaSpec.video([b"f1", b"frame-two"], fps=2.5, uuid="clip"), MediaSpec.image(b"")]
+    framed = encode_request_bytes("model", "consumer", incarnation, items)
+    built = wire.pb2.EncodeRequest(model_id="model", consumer_id="consumer", incarnation_id=incarnation,
+                                   items=[i.to_proto() for i in items])
+    assert wire.pb2.EncodeRequest.FromString(framed) == built
+    if not incarnation:  # then the fields come in number order, as protobuf writes them
+        assert framed == built.SerializeToString()
+
+
+def test_encode_request_fast_path_reads_what_protobuf_reads() -> None:
+    """The encoder's copy-free reader agrees with protobuf on well-formed and odd requests alike."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from encoder_server.encode_request import from_message, parse_encode_request
+    from prefill_client.encoder_conn import MediaSpec, encode_request_bytes
+
+    def normalized(view):  # memoryviews compare by content
+        return (view.model_id, view.consumer_id, view.incarnation_id,
+                [(i.kind, tuple(bytes(f) for f in i.frames), i.fps, i.uuid) for i in view.items])
+
+    texts = st.text(max_size=8)
+    items = st.lists(st.one_of(
+        st.builds(lambda b, u: MediaSpec.image(b, uuid=u), st.binary(max_size=300), texts),
+        st.builds(lambda fs, u: MediaSpec.video(fs, fps=2.0, uuid=u), st.lists(st.binary(max_size=9), max_size=3),
+                  texts)), max_size=4)
+
+    @settings(max_examples=150, deadline=None)
+    @given(texts, texts, texts, items, st.binary(max_size=12))
+    def check(model: str, consumer: str, incarnation: str, specs: list, tail: bytes) -> None:
+        data = encode_request_bytes(model, consumer, incarnation, specs)
+        expected = normalized(from_message(wire.pb2.EncodeRequest.FromString(data)))
+        assert normalized(parse_encode_request(data)) == expected
+        # Odd trailing bytes (unknown fields, truncation, bad UTF-8...): the same outcome as protobuf.
+        try:
+            want = normalized(from_message(wire.pb2.EncodeRequest.FromString(data + tail)))
+        except Exception as exc:  # noqa: BLE001 - compared below
+            with pytest.raises(type(exc)):
+                parse_encode_request(data + tail)
+        else:
+            assert normalized(parse_encode_request(data + tail)) == want
+
+    check()

@@ -1,0 +1,192 @@
+"""Hit path: what a cache hit costs through the client, against its floor, in one run (run by hand).
+
+Starts a real ``epd encoder`` (real NIXL where installed) and an echo gRPC
+server (this script with ``--serve-echo``, its own process, the same
+``grpc.aio`` server as the encoder), caches ``--items`` 512x512 PNGs, then
+measures, median of ``--repeats`` rounds after two warm-ups, round-robin in
+the same loop so a noisy neighbour slows all of them alike:
+
+- ``lookup_ms``: :meth:`EncoderCacheClient.lookup` of every item's mm_hash,
+  the client's local cache off: Lookup RPC(s), block READ, tag READ, checks,
+  rows copied out;
+- ``floor_ms`` = ``lookup_rpc_ms`` + ``bare_read_ms``: one raw ``Lookup`` RPC
+  for the same hashes, plus one bare NIXL READ of the same blocks (its own
+  agent and dlists, busy-polled; see ``bench/pull_throughput.py``);
+- ``encode_cached_ms``: :meth:`EncoderCacheClient.encode` of the same (already
+  cached) PNGs, new ``MediaSpec`` objects each round (nothing memoized);
+- ``send_ms``: the same request bytes sent in one RPC to the echo server,
+  which answers an empty message.
+
+Targets: ``lookup_ms <= 1.5 x floor_ms``, ``encode_cached_ms <= 2 x send_ms``.
+
+Usage: ``python bench/hit_path.py [--transport auto|nixl|mock] [--items 30] [--repeats 15]``.
+The last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _procs import png, start_encoder, stop  # noqa: E402
+from pull_throughput import BareReader  # noqa: E402
+
+from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc  # noqa: E402
+from prefill_client.client import EncoderCacheClient  # noqa: E402
+from prefill_client.encoder_conn import MediaSpec  # noqa: E402
+
+MODEL_ID = "tiny-qwen3-vl"
+READY_TIMEOUT_S = 180.0
+RPC_TIMEOUT_S = 30.0
+MESSAGE_LIMIT = 64 << 20
+ECHO_METHOD = "/epd.bench.Echo/Send"
+OPTIONS = [("grpc.max_receive_message_length", MESSAGE_LIMIT), ("grpc.max_send_message_length", MESSAGE_LIMIT)]
+
+
+def serve_echo() -> None:
+    """Answer every ``Send`` with an empty message; print the port, stop when stdin closes."""
+
+    async def main() -> None:
+        async def send(request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
+            return b""
+
+        server = grpc.aio.server(options=OPTIONS)
+        handler = grpc.unary_unary_rpc_method_handler(send)  # no (de)serializers: raw bytes
+        echo = grpc.method_handlers_generic_handler("epd.bench.Echo", {"Send": handler})
+        server.add_generic_rpc_handlers((echo,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(port, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await server.stop(None)
+
+    asyncio.run(main())
+
+
+def median_ms(samples: list[float]) -> float:
+    return round(statistics.median(samples) * 1e3, 3)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
+    images = [png(7000 + i, size=args.size) for i in range(args.items)]
+    tokens = (args.size // 32) ** 2
+    blocks = args.items * -(-tokens // args.block_size) + 2
+    encoder, port, transport = start_encoder(workdir, args.transport, blocks, ready_timeout_s=READY_TIMEOUT_S,
+                                             block_size=args.block_size)
+    echo = subprocess.Popen([sys.executable, __file__, "--serve-echo"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    target = f"127.0.0.1:{port}"
+    try:
+        echo_port = int(echo.stdout.readline()) if echo.stdout else 0
+        client = EncoderCacheClient(target, MODEL_ID, transport_kind=transport, local_cache_blocks=0,
+                                    landing_blocks=blocks, rpc_timeout_s=RPC_TIMEOUT_S)
+        channel = grpc.insecure_channel(target, options=OPTIONS)
+        echo_channel = grpc.insecure_channel(f"127.0.0.1:{echo_port}", options=OPTIONS)
+        try:
+            pulled = client.encode([MediaSpec.image(b) for b in images])  # cache them (misses)
+            hashes = [p.mm_hash for p in pulled]
+            stub = pb2_grpc.EncoderCacheServiceStub(channel)
+            send = echo_channel.unary_unary(ECHO_METHOD)  # raw bytes both ways
+            request_bytes = pb2.EncodeRequest(
+                model_id=MODEL_ID, consumer_id="bench", items=[MediaSpec.image(b).to_proto() for b in images]
+            ).SerializeToString()
+            hs = stub.Handshake(pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, model_id=MODEL_ID),
+                                timeout=RPC_TIMEOUT_S)
+            landing = torch.empty((blocks, hs.layout.bytes_per_block), dtype=torch.uint8)
+            bare = BareReader(transport, hs, landing)
+            lookup_request = pb2.LookupRequest(model_id=MODEL_ID, consumer_id="bench-floor", mm_hashes=hashes,
+                                               incarnation_id=hs.incarnation_id)
+
+            def raw_lookup() -> pb2.LookupResponse:
+                return stub.Lookup(lookup_request, timeout=RPC_TIMEOUT_S)
+
+            samples: dict[str, list[float]] = {k: [] for k in ("lookup", "lookup_rpc", "bare_read",
+                                                               "encode_cached", "send")}
+            for i in range(args.repeats + 2):
+                times = {"lookup": timed(lambda: client.lookup(hashes, require=True))}
+                started = time.perf_counter()
+                resp = raw_lookup()
+                times["lookup_rpc"] = time.perf_counter() - started
+                remote = np.fromiter((b for r in resp.results for b in r.location.block_ids), dtype=np.int32)
+                local = np.arange(len(remote), dtype=np.int32)
+                times["bare_read"] = timed(lambda: bare.read(remote, local))
+                stub.Release(pb2.ReleaseRequest(consumer_id="bench-floor",
+                                                lease_ids=[r.location.lease_id for r in resp.results]),
+                             timeout=RPC_TIMEOUT_S)
+                times["encode_cached"] = timed(lambda: client.encode([MediaSpec.image(b) for b in images]))
+                times["send"] = timed(lambda: send(request_bytes, timeout=RPC_TIMEOUT_S))
+                if i >= 2:
+                    for key, seconds in times.items():
+                        samples[key].append(seconds)
+            sources = {p.source for p in client.encode([MediaSpec.image(b) for b in images])}
+        finally:
+            client.close()
+            channel.close()
+            echo_channel.close()
+    finally:
+        if echo.stdin:
+            echo.stdin.close()
+        echo.wait(30)
+        stop(encoder)
+    ms = {key: median_ms(values) for key, values in samples.items()}
+    floor = round(ms["lookup_rpc"] + ms["bare_read"], 3)
+    return {
+        "transport": transport, "items": args.items, "image_size": args.size,
+        "request_mb": round(len(request_bytes) / 1e6, 2),
+        "rows_mb": round(len(remote) * hs.layout.bytes_per_block / 1e6, 2),
+        "encode_cached_sources": sorted(sources),
+        "lookup_ms": ms["lookup"], "floor_ms": floor, "lookup_rpc_ms": ms["lookup_rpc"],
+        "bare_read_ms": ms["bare_read"], "encode_cached_ms": ms["encode_cached"], "send_ms": ms["send"],
+        "lookup_over_floor": round(ms["lookup"] / floor, 2),
+        "encode_cached_over_send": round(ms["encode_cached"] / ms["send"], 2),
+        "targets": {"lookup_ms <= 1.5 x floor_ms": ms["lookup"] <= 1.5 * floor,
+                    "encode_cached_ms <= 2 x send_ms": ms["encode_cached"] <= 2 * ms["send"]},
+        "repeats": args.repeats,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--transport", default="auto", help="auto, nixl or mock")
+    parser.add_argument("--items", type=int, default=30)
+    parser.add_argument("--size", type=int, default=512, help="image side in pixels")
+    parser.add_argument("--block-size", type=int, default=256, help="the encoder's rows per block")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--serve-echo", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.serve_echo:
+        serve_echo()
+        return
+    with tempfile.TemporaryDirectory(prefix="epd-hit-path-") as tmp:
+        out = run(args, Path(tmp))
+    print(f"lookup {out['lookup_ms']} ms vs floor {out['floor_ms']} ms ({out['lookup_over_floor']}x); "
+          f"encode of cached items {out['encode_cached_ms']} ms vs send {out['send_ms']} ms "
+          f"({out['encode_cached_over_send']}x)", flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
