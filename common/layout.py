@@ -25,6 +25,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 TAG_DTYPE = torch.int64
 TAG_BYTES = 8
+# Per block in the stamp region: [fingerprint (the tag), generation], int64 each.
+STAMP_BYTES = 2 * TAG_BYTES
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,8 +1,8 @@
 """Block allocator for the encoder's cache buffer (encoder process).
 
-``EncoderCacheBlocks`` owns ``buffer [num_blocks, block_size, fat_dim]``,
-``mm_hash_tags int64[num_blocks]`` and ``block_generations int64[num_blocks]``,
-allocated once; the last block is scratch and never allocated. A usable block
+``EncoderCacheBlocks`` owns ``buffer [num_blocks, block_size, fat_dim]`` and
+``stamps int64[num_blocks, 2]`` (per block its tag, then its generation; the
+views ``mm_hash_tags`` and ``block_generations``), allocated once; the last block is scratch and never allocated. A usable block
 is *active* (owned by an item), *held* or *free*::
 
     free --allocate--> active --free/evict--> held --min_hold passed--> free
@@ -99,10 +99,10 @@ class EncoderCacheBlocks:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
         self.layout = layout
-        self.buffer, self.mm_hash_tags, self.block_generations = allocate_regions(
-            layout, device, allocator
-        )
-        self._stamper = DeviceStamper(self.mm_hash_tags, self.block_generations)
+        self.buffer, self.stamps = allocate_regions(layout, device, allocator)
+        # Views of the stamp region: per block, its tag and its generation.
+        self.mm_hash_tags, self.block_generations = self.stamps[:, 0], self.stamps[:, 1]
+        self._stamper = DeviceStamper(self.stamps)
         self._min_hold_time_ms = min_hold_time_ms
         self._lease_ttl_ms = lease_ttl_ms
         # One nanosecond short of the hold: clock readings are float seconds,

@@ -1,6 +1,7 @@
-"""Allocation and stamping of the encoder cache's three regions (encoder process).
+"""Allocation and stamping of the encoder cache's two regions (encoder process).
 
-The buffer, the tag region and the generation region are allocated once, by a
+The buffer and the stamp region (per block: its tag, then its generation,
+int64 each, so one 16-byte descriptor READs both) are allocated once, by a
 pluggable allocator (the transport passes one that places them in shared
 memory; the default is ``torch.zeros`` on a device), and are never reallocated:
 their addresses are registered with the transport and sent in the handshake.
@@ -54,28 +55,23 @@ def _checked(tensor: object, shape: tuple[int, ...], dtype: torch.dtype, name: s
 
 def allocate_regions(
     layout: CacheLayout, device: str | torch.device, allocator: TensorAllocator | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(buffer, mm_hash_tags, block_generations)`` for ``layout``, checked."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(buffer, stamps)`` for ``layout``, checked; ``stamps[b] = [tag, generation]`` of block ``b``."""
     alloc = allocator if allocator is not None else zeros_allocator(device)
     buffer = _checked(alloc(layout.shape, layout.dtype), layout.shape, layout.dtype, "buffer")
-    tags = _checked(alloc((layout.num_blocks,), TAG_DTYPE), (layout.num_blocks,), TAG_DTYPE, "mm_hash_tags")
-    generations = _checked(
-        alloc((layout.num_blocks,), TAG_DTYPE), (layout.num_blocks,), TAG_DTYPE, "block_generations"
-    )
-    if not (buffer.device == tags.device == generations.device):
+    shape = (layout.num_blocks, 2)
+    stamps = _checked(alloc(shape, TAG_DTYPE), shape, TAG_DTYPE, "stamps")
+    if buffer.device != stamps.device:
         raise ConfigError(
-            f"allocator placed the regions on different devices: buffer {buffer.device}, "
-            f"tags {tags.device}, generations {generations.device}"
-        )
+            f"allocator placed the regions on different devices: buffer {buffer.device}, stamps {stamps.device}")
     # 0 means "empty" to a consumer; make sure, whatever the allocator did.
-    tags.zero_()
-    generations.zero_()
+    stamps.zero_()
     logger.info(
         "encoder cache regions: %d blocks x %d rows x %d (%s, %d bytes) on %s",
         layout.num_blocks, layout.block_size, layout.fat_dim, layout.dtype,
         layout.buffer_bytes, buffer.device,
     )
-    return buffer, tags, generations
+    return buffer, stamps
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:
@@ -96,33 +92,30 @@ def _int64_view(tensor: torch.Tensor) -> memoryview:
 
 
 class DeviceStamper:
-    """Writes ``(fingerprint, generation)`` into blocks of the tag and generation regions."""
+    """Writes ``(fingerprint, generation)`` into blocks of the stamp region."""
 
-    __slots__ = ("_tags", "_generations", "_host_tags", "_host_generations", "_sync")
+    __slots__ = ("_stamps", "_host", "_sync")
 
-    def __init__(self, tags: torch.Tensor, generations: torch.Tensor) -> None:
-        self._tags = tags
-        self._generations = generations
-        self._host_tags: memoryview | None = None
-        self._host_generations: memoryview | None = None
+    def __init__(self, stamps: torch.Tensor) -> None:
+        self._stamps = stamps
+        self._host: memoryview | None = None
         self._sync: Callable[[], None] | None = None
-        if tags.device.type == "cpu":
-            # Views of the same memory (shared memory included), no copies;
-            # cast to "q" so every platform stores 8-byte signed integers.
-            self._host_tags = _int64_view(tags)
-            self._host_generations = _int64_view(generations)
+        if stamps.device.type == "cpu":
+            # A view of the same memory (shared memory included), no copy; cast to "q"
+            # so every platform stores 8-byte signed integers: tag at 2b, generation at 2b+1.
+            self._host = _int64_view(stamps)
         else:
-            self._sync = _synchronizer(tags.device)
+            self._sync = _synchronizer(stamps.device)
 
     def stamp(self, block_ids: Sequence[int], fingerprint: int, generation: int) -> None:
-        host_tags, host_generations = self._host_tags, self._host_generations
-        if host_tags is not None and host_generations is not None:
+        host = self._host
+        if host is not None:
             for block in block_ids:
-                host_tags[block] = fingerprint
-                host_generations[block] = generation
+                host[2 * block] = fingerprint
+                host[2 * block + 1] = generation
             return
-        index = torch.tensor(block_ids, dtype=torch.int64).to(self._tags.device, non_blocking=False)
-        self._tags.index_fill_(0, index, fingerprint)
-        self._generations.index_fill_(0, index, generation)
+        index = torch.tensor(block_ids, dtype=torch.int64).to(self._stamps.device, non_blocking=False)
+        self._stamps[:, 0].index_fill_(0, index, fingerprint)
+        self._stamps[:, 1].index_fill_(0, index, generation)
         if self._sync is not None:
             self._sync()

@@ -127,7 +127,7 @@ class EncoderServer:
             layout, cfg.cache.effective_min_hold_ms, lease_ttl_ms=cfg.cache.lease_ttl_ms,
             device=cfg.device, allocator=self.transport.allocator)
         await asyncio.to_thread(
-            self.transport.register, self.cache.buffer, self.cache.mm_hash_tags, self.cache.block_generations)
+            self.transport.register, self.cache.buffer, self.cache.stamps)
 
         runner = EncoderRunner(encoder, block_size=layout.block_size, backend=cfg.encoder_backend)
         preprocessor = Preprocessor(preprocess_config)
@@ -208,8 +208,7 @@ class EncoderServer:
             agent_name=t.agent_name,
             agent_metadata=t.agent_metadata(),
             buffer_region=t.buffer_region.to_proto(),
-            tag_region=t.tag_region.to_proto(),
-            generation_region=t.generation_region.to_proto(),
+            stamp_region=t.stamp_region.to_proto(),
             transport=self.transport_kind.value,
             preprocess=params_to_proto(pp.params(), pp.fingerprint()),
         )

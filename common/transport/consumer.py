@@ -27,7 +27,7 @@ import torch
 
 from common.config import TransportKind
 from common.errors import HandshakeError, TransportError
-from common.layout import TAG_BYTES
+from common.layout import STAMP_BYTES
 from common.transport.binding import (
     LOCAL_AGENT,
     AgentLike,
@@ -38,7 +38,7 @@ from common.transport.binding import (
 )
 from common.transport.landing import LandingPool, LandingShape, SlotPool
 from common.transport.peer import LocalSide, ProducerPeer
-from common.transport.regions import RegionDesc, stacked_descriptors
+from common.transport.regions import RegionDesc
 from common.wire import pb2
 
 logger = logging.getLogger(__name__)
@@ -126,8 +126,8 @@ class ConsumerTransport:
             return self._side
         blocks = torch.zeros((self.num_landing_blocks, shape.block_size, shape.fat_dim), dtype=shape.dtype,
                              device=self.device)
-        tags = torch.zeros((2, self.num_tag_slots), dtype=torch.int64)
-        landing_region, tag_region = RegionDesc.of_tensor(blocks), RegionDesc.of_tensor(tags.view(-1))
+        tags = torch.zeros((self.num_tag_slots, 2), dtype=torch.int64)  # per slot: tag, generation
+        landing_region, tag_region = RegionDesc.of_tensor(blocks), RegionDesc.of_tensor(tags)
         with self._lock, binding_errors("register the landing pool"):
             self._registrations.append(self._agent.register_memory(blocks))
             self._registrations.append(self._agent.register_memory(tags))
@@ -166,31 +166,26 @@ class ConsumerTransport:
                 raise HandshakeError(f"handshake has no {field}")
         shape = LandingShape.from_proto(hs.layout)
         buffer = RegionDesc.from_proto(hs.buffer_region, "buffer_region")
-        tags = RegionDesc.from_proto(hs.tag_region, "tag_region")
-        gens = RegionDesc.from_proto(hs.generation_region, "generation_region")
+        stamps = RegionDesc.from_proto(hs.stamp_region, "stamp_region")
         if hs.layout.num_blocks and buffer.count != hs.layout.num_blocks:
             raise HandshakeError(f"buffer_region has {buffer.count} blocks, the layout {hs.layout.num_blocks}")
         if buffer.stride_bytes != shape.bytes_per_block:
             raise HandshakeError(f"buffer_region stride {buffer.stride_bytes} bytes does not match the "
                                  f"layout's {shape.bytes_per_block} bytes per block")
-        for what, region in (("tag_region", tags), ("generation_region", gens)):
-            if region.stride_bytes != TAG_BYTES or region.count != buffer.count:
-                raise HandshakeError(f"{what} must be {buffer.count} x {TAG_BYTES} bytes, got "
-                                     f"{region.count} x {region.stride_bytes}")
-        if tags.memory != gens.memory or tags.device_id != gens.device_id:
-            raise HandshakeError("tag_region and generation_region must share a memory type and device")
+        if stamps.stride_bytes != STAMP_BYTES or stamps.count != buffer.count:
+            raise HandshakeError(f"stamp_region must be {buffer.count} x {STAMP_BYTES} bytes, got "
+                                 f"{stamps.count} x {stamps.stride_bytes}")
         with self._peers_lock:
             side = self._local_side(shape)
             peer = self._by_agent.get(hs.agent_name)
             if peer is not None and (peer.closed or peer.incarnation_id != hs.incarnation_id
                                      or peer.metadata != hs.agent_metadata
-                                     or (peer.buffer_region, peer.tag_region, peer.generation_region)
-                                     != (buffer, tags, gens)):
+                                     or (peer.buffer_region, peer.stamp_region) != (buffer, stamps)):
                 # NIXL refuses a known name with new metadata: the old one must go first.
                 self._remove_agent(peer, forced=True)
                 peer = None
             if peer is None:
-                peer = self._open_peer(side, hs, buffer, tags, gens)
+                peer = self._open_peer(side, hs, buffer, stamps)
                 self._by_agent[peer.agent_name] = peer
             if endpoint is not None:
                 previous = self._endpoints.get(endpoint)
@@ -203,7 +198,7 @@ class ConsumerTransport:
             return peer
 
     def _open_peer(
-        self, side: LocalSide, hs: pb2.HandshakeResponse, buffer: RegionDesc, tags: RegionDesc, gens: RegionDesc
+        self, side: LocalSide, hs: pb2.HandshakeResponse, buffer: RegionDesc, stamps: RegionDesc
     ) -> ProducerPeer:
         name = hs.agent_name
         with self._lock:
@@ -216,8 +211,7 @@ class ConsumerTransport:
             try:
                 with binding_errors(f"prep the regions of {name!r}", _HANDSHAKE_ERRORS):
                     blocks_dlist = self._agent.prep_xfer_dlist(name, buffer.descriptors(), buffer.memory.value)
-                    tags_dlist = self._agent.prep_xfer_dlist(name, stacked_descriptors(tags, gens),
-                                                             tags.memory.value)
+                    tags_dlist = self._agent.prep_xfer_dlist(name, stamps.descriptors(), stamps.memory.value)
                 # Connect now rather than inside the first request's deadline.
                 with binding_errors(f"connect to {name!r}"):
                     self._agent.make_connection(name)
@@ -228,7 +222,7 @@ class ConsumerTransport:
                     name, hs.incarnation_id[:8], buffer.count, buffer.stride_bytes, buffer.base_address)
         return ProducerPeer(
             side, agent_name=name, incarnation_id=hs.incarnation_id, metadata=bytes(hs.agent_metadata),
-            buffer_region=buffer, tag_region=tags, generation_region=gens,
+            buffer_region=buffer, stamp_region=stamps,
             blocks_dlist=blocks_dlist, tags_dlist=tags_dlist,
         )
 

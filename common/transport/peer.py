@@ -32,7 +32,7 @@ import numpy as np
 
 from common.errors import PeerDisconnected, TransferTimeout, TransportError
 from common.transport.binding import AgentLike, TransferState, binding_errors, is_binding_error, translate_error
-from common.transport.landing import LandingPool, QuietProbe, SlotPool
+from common.transport.landing import LandingPool, QuietProbe, SlotPool, checked_ids
 from common.transport.regions import RegionDesc
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class LocalSide:
     lock: threading.Lock
     landing: LandingPool
     tag_slots: SlotPool
-    tag_values: np.ndarray  # int64 [2, tag_slots.size]: fingerprints, generations
+    tag_values: np.ndarray  # int64 [tag_slots.size, 2]: per slot a fingerprint and a generation
     blocks_dlist: Any
     tags_dlist: Any
     on_closed: Callable[[ProducerPeer], None]
@@ -65,21 +65,14 @@ class LocalSide:
 
 
 def _require_off_event_loop(what: str) -> None:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
+    if asyncio._get_running_loop() is None:  # the no-raise form: this runs on every READ
         return
     raise RuntimeError(f"{what} blocks; call it from a worker thread (asyncio.to_thread) or use {what}_async")
 
 
 def _indices(ids: object, limit: int, what: str) -> np.ndarray:
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{what}s must be a non-empty 1-D integer array, got {ids!r}")
-    bad = arr[(arr < 0) | (arr >= limit)]
-    if bad.size:
-        raise ValueError(f"{what} {int(bad[0])} is outside 0..{limit - 1}")
-    return arr.astype(np.int32, copy=False)
+    """int32 indices for ``make_prepped_xfer`` (about 15x faster than lists), range-checked."""
+    return checked_ids(ids, limit, what).astype(np.int32, copy=False)
 
 
 class ProducerPeer:
@@ -93,8 +86,7 @@ class ProducerPeer:
         incarnation_id: str,
         metadata: bytes,
         buffer_region: RegionDesc,
-        tag_region: RegionDesc,
-        generation_region: RegionDesc,
+        stamp_region: RegionDesc,
         blocks_dlist: Any,
         tags_dlist: Any,
     ) -> None:
@@ -103,8 +95,7 @@ class ProducerPeer:
         self.incarnation_id = incarnation_id
         self.metadata = metadata
         self.buffer_region = buffer_region
-        self.tag_region = tag_region
-        self.generation_region = generation_region
+        self.stamp_region = stamp_region
         self.num_blocks = buffer_region.count
         self._blocks_dlist = blocks_dlist
         self._tags_dlist = tags_dlist
@@ -181,12 +172,11 @@ class ProducerPeer:
             quarantined = True
 
         try:
-            width = side.tag_slots.size
-            local_idx = np.concatenate((slots, slots + width)).astype(np.int32, copy=False)
-            remote_idx = np.concatenate((remote, remote + self.num_blocks)).astype(np.int32, copy=False)
-            self._read("tag READ", side.tags_dlist, local_idx, self._tags_dlist, remote_idx, bytes(notif),
+            # One 16-byte descriptor per block: its tag and generation, side by side.
+            self._read("tag READ", side.tags_dlist, slots, self._tags_dlist, remote, bytes(notif),
                        deadline, quarantine)
-            return side.tag_values[0, slots], side.tag_values[1, slots]  # fancy indexing copies
+            values = side.tag_values[slots]  # fancy indexing copies: the slots go back below
+            return values[:, 0], values[:, 1]
         finally:
             if not quarantined:
                 side.tag_slots.release(slots)

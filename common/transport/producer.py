@@ -1,7 +1,7 @@
 """The producer side of the data path: registered cache regions and lease-release notifications (encoder process).
 
-The encoder registers its three regions once — cache buffer, tag region,
-generation region — and then only answers handshakes with
+The encoder registers its two regions once — cache buffer and stamp region
+(per block: tag, then generation) — and then only answers handshakes with
 :attr:`ProducerTransport.agent_name`, :meth:`agent_metadata` and the regions
 as plain numbers, and drains the notifications consumers attach to their tag
 READs (:meth:`drain_notifications`).
@@ -94,7 +94,7 @@ class ProducerTransport:
         self._agent: AgentLike = create_agent(self.kind, self.agent_name, **options)
         self._lock = threading.Lock()  # NIXL agents are not thread-safe
         self._registrations: list[Any] = []
-        self._regions: tuple[RegionDesc, RegionDesc, RegionDesc] | None = None
+        self._regions: tuple[RegionDesc, RegionDesc] | None = None
         self._metadata = b""
         self._pending: collections.deque[bytes] = collections.deque(maxlen=MAX_PENDING_NOTIFICATIONS)
         self._stop = threading.Event()
@@ -103,22 +103,21 @@ class ProducerTransport:
 
     @property
     def allocator(self) -> TensorAllocator | None:
-        """Allocator for the three regions: shared memory for the mock, ``None`` (default) for NIXL."""
+        """Allocator for the two regions: shared memory for the mock, ``None`` (default) for NIXL."""
         return shm_allocator if self.kind is TransportKind.MOCK else None
 
-    def register(self, buffer: torch.Tensor, tags: torch.Tensor, generations: torch.Tensor) -> None:
-        """Register ``buffer[num_blocks, block_size, fat_dim]`` and the two ``int64[num_blocks]`` regions, once."""
+    def register(self, buffer: torch.Tensor, stamps: torch.Tensor) -> None:
+        """Register ``buffer[num_blocks, block_size, fat_dim]`` and ``stamps int64[num_blocks, 2]``, once."""
         if self._closed:
             raise TransportError("producer transport is closed")
         if self._regions is not None:
             raise TransportError(f"agent {self.agent_name} already registered its regions")
         if buffer.dim() != 3:
             raise ValueError(f"buffer must be [num_blocks, block_size, fat_dim], got shape {tuple(buffer.shape)}")
-        for what, stamps in (("tags", tags), ("generations", generations)):
-            if stamps.dtype != torch.int64 or tuple(stamps.shape) != (buffer.shape[0],):
-                raise ValueError(f"{what} must be int64[{buffer.shape[0]}], got {stamps.dtype} "
-                                 f"{tuple(stamps.shape)}")
-        named = (("buffer", buffer), ("tags", tags), ("generations", generations))
+        if stamps.dtype != torch.int64 or tuple(stamps.shape) != (buffer.shape[0], 2):
+            raise ValueError(f"stamps must be int64[{buffer.shape[0]}, 2], got {stamps.dtype} "
+                             f"{tuple(stamps.shape)}")
+        named = (("buffer", buffer), ("stamps", stamps))
         regions = tuple(RegionDesc.of_tensor(t) for _, t in named)
         if self.kind is TransportKind.MOCK:
             for (what, _), region in zip(named, regions, strict=True):
@@ -137,7 +136,7 @@ class ProducerTransport:
             except Exception:
                 self._deregister_locked()
                 raise
-        self._regions = (regions[0], regions[1], regions[2])
+        self._regions = (regions[0], regions[1])
         if self._poll_interval_s is not None:
             self._poller = threading.Thread(target=self._poll, name=f"progress-{self.agent_name}", daemon=True)
             self._poller.start()
@@ -147,7 +146,7 @@ class ProducerTransport:
                     self.kind.value, regions[0].count, regions[0].stride_bytes, regions[0].base_address,
                     progress)
 
-    def _registered(self) -> tuple[RegionDesc, RegionDesc, RegionDesc]:
+    def _registered(self) -> tuple[RegionDesc, RegionDesc]:
         if self._regions is None:
             raise TransportError(f"agent {self.agent_name} has not registered its regions yet")
         return self._regions
@@ -162,21 +161,16 @@ class ProducerTransport:
         return self._registered()[0]
 
     @property
-    def tag_region(self) -> RegionDesc:
+    def stamp_region(self) -> RegionDesc:
         return self._registered()[1]
-
-    @property
-    def generation_region(self) -> RegionDesc:
-        return self._registered()[2]
 
     def fill_handshake(self, response: pb2.HandshakeResponse) -> pb2.HandshakeResponse:
         """Set the transport fields of a handshake answer (agent, metadata, regions, kind)."""
-        buffer, tags, gens = self._registered()
+        buffer, stamps = self._registered()
         response.agent_name = self.agent_name
         response.agent_metadata = self._metadata
         response.buffer_region.CopyFrom(buffer.to_proto())
-        response.tag_region.CopyFrom(tags.to_proto())
-        response.generation_region.CopyFrom(gens.to_proto())
+        response.stamp_region.CopyFrom(stamps.to_proto())
         response.transport = self.kind.value
         return response
 

@@ -1,7 +1,6 @@
 """Registered memory regions as plain numbers, and the NIXL descriptors built from them (both processes).
 
-The encoder describes each of its three regions (cache buffer, tag region,
-generation region) as ``base address, stride, count, device, memory type``;
+The encoder describes each of its two regions (cache buffer, stamp region) as ``base address, stride, count, device, memory type``;
 the handshake carries exactly these integers, and a prefill worker builds its
 own ``N x 3`` descriptor arrays from them. Nothing a peer sends is ever
 deserialized into an object (NIXL's ``get_serialized_descs`` is pickle).
@@ -114,9 +113,3 @@ class RegionDesc:
             return cls(msg.base_address, msg.stride_bytes, msg.count, msg.device_id, memory)
         except ValueError as exc:
             raise HandshakeError(f"{what}: {exc}") from None
-
-
-def stacked_descriptors(*regions: RegionDesc) -> np.ndarray:
-    """The descriptors of several regions, one after the other (index ``i`` of region ``k``
-    is row ``sum(count of regions before k) + i``)."""
-    return np.concatenate([region.descriptors() for region in regions])

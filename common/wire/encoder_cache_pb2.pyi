@@ -83,7 +83,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., consumer_id: _Optional[str] = ..., expected_layout: _Optional[_Union[CacheLayout, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "incarnation_id", "agent_name", "agent_metadata", "layout", "buffer_region", "tag_region", "generation_region", "min_hold_ms", "lease_ttl_ms", "compatibility_hash", "transport", "preprocess")
+    __slots__ = ("protocol_version", "model_id", "incarnation_id", "agent_name", "agent_metadata", "layout", "buffer_region", "min_hold_ms", "lease_ttl_ms", "compatibility_hash", "transport", "preprocess", "stamp_region")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -91,13 +91,12 @@ class HandshakeResponse(_message.Message):
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFER_REGION_FIELD_NUMBER: _ClassVar[int]
-    TAG_REGION_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_REGION_FIELD_NUMBER: _ClassVar[int]
     MIN_HOLD_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PREPROCESS_FIELD_NUMBER: _ClassVar[int]
+    STAMP_REGION_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     incarnation_id: str
@@ -105,14 +104,13 @@ class HandshakeResponse(_message.Message):
     agent_metadata: bytes
     layout: CacheLayout
     buffer_region: MemoryRegion
-    tag_region: MemoryRegion
-    generation_region: MemoryRegion
     min_hold_ms: int
     lease_ttl_ms: int
     compatibility_hash: str
     transport: str
     preprocess: PreprocessParams
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., buffer_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., tag_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., generation_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., min_hold_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., transport: _Optional[str] = ..., preprocess: _Optional[_Union[PreprocessParams, _Mapping]] = ...) -> None: ...
+    stamp_region: MemoryRegion
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., buffer_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., min_hold_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., transport: _Optional[str] = ..., preprocess: _Optional[_Union[PreprocessParams, _Mapping]] = ..., stamp_region: _Optional[_Union[MemoryRegion, _Mapping]] = ...) -> None: ...
 
 class PreprocessParams(_message.Message):
     __slots__ = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "fingerprint", "video_min_pixels", "video_max_pixels", "video_sample_fps")

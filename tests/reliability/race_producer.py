@@ -51,7 +51,7 @@ def main() -> None:
     layout = spec.layout
     transport = ProducerTransport(args.kind, name_prefix="race-producer")
     cache = EncoderCacheBlocks(layout, 0, lease_ttl_ms=1, allocator=transport.allocator)
-    transport.register(cache.buffer, cache.mm_hash_tags, cache.block_generations)
+    transport.register(cache.buffer, cache.stamps)
     hs = pb2.HandshakeResponse(protocol_version=PROTOCOL_VERSION, model_id="reuse-race",
                                incarnation_id=transport.incarnation_id, layout=layout_to_proto(layout))
     transport.fill_handshake(hs)

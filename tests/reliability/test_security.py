@@ -1,4 +1,4 @@
-"""Security: no cache poisoning, only the three regions exposed, nothing deserialized from a peer, unguessable leases.
+"""Security: no cache poisoning, only the two regions exposed, nothing deserialized from a peer, unguessable leases.
 
 Authentication (bearer token, mTLS, health left open for probes) is proven in
 ``tests/system/test_encoder_auth.py``.
@@ -98,11 +98,11 @@ class RecordingAgent:
 
 def _regions(hs: pb2.HandshakeResponse) -> list[tuple[int, int]]:
     return sorted((r.base_address, r.stride_bytes * r.count)
-                  for r in (hs.buffer_region, hs.tag_region, hs.generation_region))
+                  for r in (hs.buffer_region, hs.stamp_region))
 
 
 @pytest.mark.parametrize("kind", TRANSPORTS)
-def test_the_encoder_registers_only_its_cache_tag_and_generation_regions(
+def test_the_encoder_registers_only_its_cache_and_stamp_regions(
         kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from encoder_server.server import EncoderServer
 
@@ -124,7 +124,7 @@ def test_the_encoder_registers_only_its_cache_tag_and_generation_regions(
             await server.stop()
 
     hs = asyncio.run(start_and_handshake())
-    assert sorted(registered) == _regions(hs), "the encoder registered memory beyond its three regions"
+    assert sorted(registered) == _regions(hs), "the encoder registered memory beyond its two regions"
     buffer = hs.buffer_region
     assert buffer.count == 8 and buffer.stride_bytes == hs.layout.bytes_per_block
     if kind == "mock":  # the metadata lists exactly what a peer may map
@@ -132,7 +132,7 @@ def test_the_encoder_registers_only_its_cache_tag_and_generation_regions(
         assert sorted((r.address, r.length) for r in card.regions) == _regions(hs)
 
 
-def test_a_peer_cannot_address_memory_outside_the_three_regions(shared_encoder: SharedEncoder) -> None:
+def test_a_peer_cannot_address_memory_outside_the_two_regions(shared_encoder: SharedEncoder) -> None:
     """With the live encoder's metadata, descriptors inside each region are accepted, any byte outside refused."""
     hs = shared_encoder.stub.Handshake(pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, model_id=MODEL),
                                        timeout=10)

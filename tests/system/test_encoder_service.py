@@ -55,8 +55,7 @@ def test_handshake_answers_everything_a_consumer_needs(encoder) -> None:
     assert resp.layout.scratch_block_id == 63
     assert resp.buffer_region.count == 64 and resp.buffer_region.base_address != 0
     assert resp.buffer_region.stride_bytes == resp.layout.bytes_per_block
-    assert resp.tag_region.count == 64 and resp.tag_region.stride_bytes == 8
-    assert resp.generation_region.count == 64
+    assert resp.stamp_region.count == 64 and resp.stamp_region.stride_bytes == 16
     assert resp.min_hold_ms == 100
     assert resp.preprocess.patch_size > 0 and resp.preprocess.fingerprint
 

@@ -188,12 +188,13 @@ def local_producer(kind: str, seed: int, layout: HelperLayout = HelperLayout(num
     alloc = transport.allocator or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
     n = layout.num_blocks
     buffer = alloc((n, layout.block_size, layout.fat_dim), torch.bfloat16)
-    tags, gens = alloc((n,), torch.int64), alloc((n,), torch.int64)
+    stamps = alloc((n, 2), torch.int64)
+    tags, gens = stamps[:, 0], stamps[:, 1]
     for block in range(n):
         buffer[block].copy_(reference_block(seed, block, layout))
         tags[block] = seed * 1000 + block
         gens[block] = seed
-    transport.register(buffer, tags, gens)
+    transport.register(buffer, stamps)
     hs = pb2.HandshakeResponse(incarnation_id=transport.incarnation_id, layout=layout.to_proto())
     transport.fill_handshake(hs)
     return LocalProducer(transport, buffer, tags, gens, layout, hs)

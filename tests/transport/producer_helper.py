@@ -1,4 +1,4 @@
-"""A minimal producer process for the transport tests: registers three regions and obeys stdin.
+"""A minimal producer process for the transport tests: registers its two regions and obeys stdin.
 
 Run as ``python -m tests.transport.producer_helper --kind mock|nixl ...``.
 Prints ``EPD READY <hex HandshakeResponse>``, then answers one ``EPD`` line
@@ -45,12 +45,12 @@ def main() -> None:
         # Same addresses in every run: a restarted producer looks identical but for its agent.
         buf_bytes = -(-n * layout.bytes_per_block // _REGION_ALIGN) * _REGION_ALIGN
         buffer = shm_allocator((n, layout.block_size, layout.fat_dim), torch.bfloat16, address=args.address)
-        tags = shm_allocator((n,), torch.int64, address=args.address + buf_bytes)
-        gens = shm_allocator((n,), torch.int64, address=args.address + buf_bytes + _REGION_ALIGN)
+        stamps = shm_allocator((n, 2), torch.int64, address=args.address + buf_bytes)
     else:
         alloc = transport.allocator or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
         buffer = alloc((n, layout.block_size, layout.fat_dim), torch.bfloat16)
-        tags, gens = alloc((n,), torch.int64), alloc((n,), torch.int64)
+        stamps = alloc((n, 2), torch.int64)
+    tags, gens = stamps[:, 0], stamps[:, 1]
 
     def fill(seed: int) -> None:
         for block in range(n):
@@ -59,7 +59,7 @@ def main() -> None:
             gens[block] = seed
 
     fill(args.seed)
-    transport.register(buffer, tags, gens)
+    transport.register(buffer, stamps)
     hs = pb2.HandshakeResponse(protocol_version=PROTOCOL_VERSION, model_id="transport-test",
                                incarnation_id=transport.incarnation_id, layout=layout.to_proto())
     transport.fill_handshake(hs)

@@ -167,9 +167,9 @@ def test_registration_failure_is_a_transport_error(faults: MockFaults) -> None:
     faults.fail_registration = True
     transport = ProducerTransport("mock", agent_options={"faults": faults})
     buffer = shm_allocator((3, 2, 4), torch.bfloat16)
-    tags, gens = shm_allocator((3,), torch.int64), shm_allocator((3,), torch.int64)
+    stamps = shm_allocator((3, 2), torch.int64)
     with pytest.raises(TransportError, match="nixlBackendError"):
-        transport.register(buffer, tags, gens)
+        transport.register(buffer, stamps)
     with pytest.raises(TransportError, match="not registered"):
         transport.agent_metadata()
     transport.close()
@@ -179,8 +179,7 @@ def test_mock_producer_regions_must_be_shared_memory() -> None:
     transport = ProducerTransport("mock")
     try:
         with pytest.raises(TransportError, match="allocate it with ProducerTransport.allocator"):
-            transport.register(torch.zeros(3, 2, 4), torch.zeros(3, dtype=torch.int64),
-                               torch.zeros(3, dtype=torch.int64))
+            transport.register(torch.zeros(3, 2, 4), torch.zeros(3, 2, dtype=torch.int64))
     finally:
         transport.close()
 

@@ -76,12 +76,13 @@ def test_custom_allocator_places_every_region_and_tags_are_zeroed() -> None:
         return torch.full(shape, 7, dtype=dtype)  # not zeroed on purpose
 
     cache, _ = make(num_blocks=3, allocator=alloc)
-    assert calls == [((3, BLOCK, 4), torch.float32), ((3,), torch.int64), ((3,), torch.int64)]
-    assert torch.equal(cache.mm_hash_tags, torch.zeros(3, dtype=torch.int64))
-    assert torch.equal(cache.block_generations, torch.zeros(3, dtype=torch.int64))
-    # Stamps land in the allocator's memory, not in a copy.
+    assert calls == [((3, BLOCK, 4), torch.float32), ((3, 2), torch.int64)]
+    assert torch.equal(cache.stamps, torch.zeros(3, 2, dtype=torch.int64))
+    # Stamps land in the allocator's memory, not in a copy: tag and generation side by side.
     ids = cache.allocate("a", [1])
-    assert ids is not None and int(cache.mm_hash_tags[ids[0]]) == mm_hash_fingerprint("a")
+    assert ids is not None and cache.stamps[ids[0]].tolist() == [mm_hash_fingerprint("a"), cache.get_generation("a")]
+    assert cache.mm_hash_tags.data_ptr() == cache.stamps.data_ptr()
+    assert cache.block_generations.data_ptr() == cache.stamps.data_ptr() + 8
 
 
 def test_allocator_returning_wrong_shape_is_rejected() -> None:
