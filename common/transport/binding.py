@@ -27,8 +27,7 @@ import importlib
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, Protocol, cast
 
@@ -127,17 +126,27 @@ def translate_error(
     return cls(f"{action}: {name} ({detail})")
 
 
-@contextmanager
-def binding_errors(action: str, overrides: Mapping[str, type[EpdError]] | None = None) -> Iterator[None]:
-    """Re-raise binding exceptions inside the block as project errors, ``from`` the original."""
-    try:
-        yield
-    except EpdError:
-        raise
-    except Exception as exc:
+class binding_errors:  # noqa: N801 - used like the function it was
+    """Re-raise binding exceptions inside the block as project errors, ``from`` the original.
+
+    A class, not ``@contextmanager``: it wraps every NIXL call of every READ,
+    and a generator-based manager costs several times more to enter and leave.
+    """
+
+    __slots__ = ("action", "overrides")
+
+    def __init__(self, action: str, overrides: Mapping[str, type[EpdError]] | None = None) -> None:
+        self.action = action
+        self.overrides = overrides
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None or isinstance(exc, EpdError) or not isinstance(exc, Exception):
+            return
         if is_binding_error(exc):
-            raise translate_error(exc, action, overrides) from exc
-        raise
+            raise translate_error(exc, self.action, self.overrides) from exc
 
 
 # --- loading --------------------------------------------------------------------------------
