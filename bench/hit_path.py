@@ -19,7 +19,7 @@ the same loop so a noisy neighbour slows all of them alike:
 
 Targets: ``lookup_ms <= 1.5 x floor_ms``, ``encode_cached_ms <= 2 x send_ms``.
 
-Usage: ``python bench/hit_path.py [--transport auto|nixl|mock] [--items 30] [--repeats 15]``.
+Usage: ``python bench/hit_path.py [--transport auto|nixl|mock] [--items 30] [--repeats 21]``.
 The last line of stdout is one JSON object.
 """
 
@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=30)
     parser.add_argument("--size", type=int, default=512, help="image side in pixels")
     parser.add_argument("--block-size", type=int, default=256, help="the encoder's rows per block")
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--serve-echo", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
