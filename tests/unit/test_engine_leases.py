@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import pytest
@@ -30,6 +30,7 @@ BLOCK = 64  # a 64x64 image is 64 tokens (Qwen3-VL's minimum): one block
 X = MediaInput("image", (image_bytes(64, 64, seed=1),))
 Y = MediaInput("image", (image_bytes(64, 64, seed=2),))
 Z = MediaInput("image", (image_bytes(64, 64, seed=3),))
+W = MediaInput("image", (image_bytes(64, 64, seed=4),))
 
 
 class FakeClock:
@@ -86,9 +87,15 @@ def rows(engine: EncoderEngine, loc: Located) -> torch.Tensor:
     return torch.cat([engine.cache.buffer[b, :n] for b, n in zip(loc.block_ids, loc.tokens_per_block)])
 
 
-def test_answer_is_the_pinned_allocation_after_expiry_eviction_and_reallocation() -> None:
+Scenario = Callable[[EncoderEngine, FakeClock, GatedRunner, Located], Awaitable[None]]
+
+
+def run_scenario(body: Scenario, **engine_options: int) -> None:
+    """Start an engine, cache X (its first run, ungated) and give its lease back, then run ``body``
+    with every later encoder run held at its gate; afterwards open every gate and stop."""
+
     async def scenario() -> None:
-        engine, clock, runner = make_engine()
+        engine, clock, runner = make_engine(**engine_options)
         await engine.start()
         try:
             first = (await engine.encode([X], "seed"))[0]
@@ -96,111 +103,92 @@ def test_answer_is_the_pinned_allocation_after_expiry_eviction_and_reallocation(
             await wait_entered(runner)
             assert engine.release([first.lease.lease_id], "seed") == 1
             runner.auto = False
-
-            # Request A: X is a hit (pinned, pending), Y a miss whose run is held at the gate.
-            a = asyncio.create_task(engine.encode([X, Y], "a"))
-            await wait_entered(runner)
-            # A thousand lease ttls pass while A waits: its pending lease on X must hold.
-            clock.now += 1.0
-            engine.housekeeping()
-            assert engine.cache.num_pinned_items == 1 and engine.cache.lease_stats.expired == 0
-            # Force the interleaving anyway: X leaves the slot map and B re-allocates it
-            # (new blocks, new generation, stamped, not yet written: B's run waits at the gate).
-            engine.cache.free(engine.mm_hash(X.content_hash()))
-            b = asyncio.create_task(engine.encode([X], "b"))
-            for _ in range(200):
-                await asyncio.sleep(0.005)
-                if engine.cache.contains(engine.mm_hash(X.content_hash())):
-                    break
-            new_ids = engine.cache.get_block_ids(engine.mm_hash(X.content_hash()))
-            assert set(new_ids).isdisjoint(first.block_ids)
-            runner.gates[-1].set()  # A's run (Y) finishes; B's run (X again) starts and waits
-            x, y = await asyncio.wait_for(a, 30)
-            await wait_entered(runner)
-
-            assert isinstance(x, Located) and isinstance(y, Located)
-            assert x.hit and not y.hit
-            assert x.block_ids == first.block_ids and x.generation == first.generation
-            assert torch.all(rows(engine, x) == 1.0), "A must get the rows written by the first run"
-            assert torch.all(rows(engine, y) == 2.0)
-            tags = engine.cache.mm_hash_tags[list(x.block_ids)]
-            assert torch.all(tags == x.fingerprint)
-
-            runner.gates[-1].set()
-            (x_again,) = await asyncio.wait_for(b, 30)
-            assert isinstance(x_again, Located) and not x_again.hit
-            assert x_again.generation > first.generation and list(x_again.block_ids) == new_ids
-            assert torch.all(rows(engine, x_again) == 3.0)
+            await body(engine, clock, runner, first)
         finally:
             for gate in runner.gates:
                 gate.set()
             await engine.stop()
 
     asyncio.run(scenario())
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    for _ in range(400):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition never held")
+
+
+def test_answer_is_the_pinned_allocation_after_expiry_eviction_and_reallocation() -> None:
+    async def body(engine: EncoderEngine, clock: FakeClock, runner: GatedRunner, first: Located) -> None:
+        x_hash = engine.mm_hash(X.content_hash())
+        # Request A: X is a hit (pinned, pending), Y a miss whose run is held at the gate.
+        a = asyncio.create_task(engine.encode([X, Y], "a"))
+        await wait_entered(runner)
+        # A thousand lease ttls pass while A waits: its pending lease on X must hold.
+        clock.now += 1.0
+        engine.housekeeping()
+        assert engine.cache.num_pinned_items == 1 and engine.cache.lease_stats.expired == 0
+        # Force the interleaving anyway: X leaves the slot map and B re-allocates it
+        # (new blocks, new generation, stamped, not yet written: B's run waits at the gate).
+        engine.cache.free(x_hash)
+        b = asyncio.create_task(engine.encode([X], "b"))
+        await until(lambda: engine.cache.contains(x_hash))
+        new_ids = engine.cache.get_block_ids(x_hash)
+        assert set(new_ids).isdisjoint(first.block_ids)
+        runner.gates[-1].set()  # A's run (Y) finishes; B's run (X again) starts and waits
+        x, y = await asyncio.wait_for(a, 30)
+        await wait_entered(runner)
+
+        assert isinstance(x, Located) and isinstance(y, Located)
+        assert x.hit and not y.hit
+        assert x.block_ids == first.block_ids and x.generation == first.generation
+        assert torch.all(rows(engine, x) == 1.0), "A must get the rows written by the first run"
+        assert torch.all(rows(engine, y) == 2.0)
+        assert torch.all(engine.cache.mm_hash_tags[list(x.block_ids)] == x.fingerprint)
+
+        runner.gates[-1].set()
+        (x_again,) = await asyncio.wait_for(b, 30)
+        assert isinstance(x_again, Located) and not x_again.hit
+        assert x_again.generation > first.generation and list(x_again.block_ids) == new_ids
+        assert torch.all(rows(engine, x_again) == 3.0)
+
+    run_scenario(body)
 
 
 def test_a_lease_that_ended_while_its_request_waited_is_a_typed_per_item_error() -> None:
-    async def scenario() -> None:
-        engine, clock, runner = make_engine(pending_ttl_ms=50)
-        await engine.start()
-        try:
-            first = (await engine.encode([X], "seed"))[0]
-            assert isinstance(first, Located)
-            await wait_entered(runner)
-            engine.release([first.lease.lease_id], "seed")
-            runner.auto = False
-            a = asyncio.create_task(engine.encode([X, Y], "a"))
-            await wait_entered(runner)
-            clock.now += 0.05  # past even the pending ceiling: the backstop ends A's lease on X
-            engine.housekeeping()
-            assert engine.cache.num_pinned_items == 0
-            # X is evicted and its blocks re-used for Z while A still waits.
-            c = asyncio.create_task(engine.encode([Z], "c"))
-            for _ in range(200):
-                await asyncio.sleep(0.005)
-                if not engine.cache.contains(engine.mm_hash(X.content_hash())):
-                    break
-            runner.gates[-1].set()
-            x, y = await asyncio.wait_for(a, 30)
-            assert isinstance(x, Failed) and isinstance(x.error, ItemLostError)
-            assert x.error.grpc_code is grpc.StatusCode.ABORTED and x.mm_hash in str(x.error)
-            assert isinstance(y, Located) and torch.all(rows(engine, y) == 2.0)
-            await wait_entered(runner)
-            runner.gates[-1].set()
-            await asyncio.wait_for(c, 30)
-        finally:
-            for gate in runner.gates:
-                gate.set()
-            await engine.stop()
+    async def body(engine: EncoderEngine, clock: FakeClock, runner: GatedRunner, first: Located) -> None:
+        a = asyncio.create_task(engine.encode([X, Y], "a"))
+        await wait_entered(runner)
+        clock.now += 0.05  # past even the pending ceiling: the backstop ends A's lease on X
+        engine.housekeeping()
+        assert engine.cache.num_pinned_items == 0
+        # X is evicted and its block re-used for Z or W while A still waits.
+        c = asyncio.create_task(engine.encode([Z, W], "c"))
+        await until(lambda: not engine.cache.contains(engine.mm_hash(X.content_hash())))
+        runner.gates[-1].set()
+        x, y = await asyncio.wait_for(a, 30)
+        assert isinstance(x, Failed) and isinstance(x.error, ItemLostError)
+        assert x.error.grpc_code is grpc.StatusCode.ABORTED and x.mm_hash in str(x.error)
+        assert isinstance(y, Located) and torch.all(rows(engine, y) == 2.0)
+        await wait_entered(runner)
+        runner.gates[-1].set()
+        await asyncio.wait_for(c, 30)
 
-    asyncio.run(scenario())
+    run_scenario(body, pending_ttl_ms=50, num_blocks=4)  # three usable: X, Y, and one free
 
 
 def test_a_cancelled_request_leaves_no_lease() -> None:
-    async def scenario() -> None:
-        engine, _, runner = make_engine()
-        await engine.start()
-        try:
-            first = (await engine.encode([X], "seed"))[0]
-            assert isinstance(first, Located)
-            await wait_entered(runner)
-            engine.release([first.lease.lease_id], "seed")
-            runner.auto = False
-            a = asyncio.create_task(engine.encode([X, Y], "a"))
-            await wait_entered(runner)
-            assert engine.cache.lease_stats.active == 1  # the hit, pending
-            a.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await a
-            runner.gates[-1].set()
-            for _ in range(200):  # the run completes; its only waiter is gone
-                await asyncio.sleep(0.005)
-                if engine.cache.is_written(engine.mm_hash(Y.content_hash())):
-                    break
-            assert engine.cache.lease_stats.active == 0 and engine.cache.num_pinned_items == 0
-        finally:
-            for gate in runner.gates:
-                gate.set()
-            await engine.stop()
+    async def body(engine: EncoderEngine, clock: FakeClock, runner: GatedRunner, first: Located) -> None:
+        a = asyncio.create_task(engine.encode([X, Y], "a"))
+        await wait_entered(runner)
+        assert engine.cache.lease_stats.active == 1  # the hit, pending
+        a.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await a
+        runner.gates[-1].set()  # the run completes; its only waiter is gone
+        await until(lambda: engine.cache.is_written(engine.mm_hash(Y.content_hash())))
+        assert engine.cache.lease_stats.active == 0 and engine.cache.num_pinned_items == 0
 
-    asyncio.run(scenario())
+    run_scenario(body)
