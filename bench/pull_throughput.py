@@ -185,7 +185,8 @@ def verified_pull(peer: ProducerPeer, remote: np.ndarray, local: np.ndarray, exp
     peer.read_blocks(remote, local, deadline)
     notif = encode_release_notification([len(remote)]) if release else b""
     tags, gens = peer.read_tags(remote, deadline, notif=notif)
-    if not (np.array_equal(tags, expected[remote]) and bool((gens == GENERATION).all())):
+    # The same comparisons as prefill_client.verify.verify_batch: two list compares.
+    if not (tags.tolist() == expected[remote].tolist() and gens.tolist() == [GENERATION] * len(remote)):
         raise RuntimeError(f"verification failed: tags {tags} for blocks {remote}")
 
 
