@@ -14,6 +14,7 @@ reserved for "empty block", so the one input that would hash to 0 is mapped to
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 EMPTY_TAG = 0
@@ -26,3 +27,10 @@ def mm_hash_fingerprint(mm_hash: str) -> int:
     digest = hashlib.blake2b(mm_hash.encode("utf-8"), digest_size=8).digest()
     value = int.from_bytes(digest, "little", signed=True)
     return value if value != EMPTY_TAG else 1
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def cached_fingerprint(mm_hash: str) -> int:
+    """:func:`mm_hash_fingerprint`, memoized (bounded): both sides compute it for the same
+    items again and again (every allocation, every answer, every verified pull)."""
+    return mm_hash_fingerprint(mm_hash)

@@ -35,7 +35,6 @@ O(1) per block touched plus O(log n) per item entering a heap.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import threading
@@ -46,7 +45,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from common.errors import ConfigError
-from common.fingerprint import mm_hash_fingerprint
+from common.fingerprint import cached_fingerprint
 from common.layout import CacheLayout
 from encoder_server.block_pool import BlockId, BlockPool
 from encoder_server.cache_records import (
@@ -71,10 +70,6 @@ _HOLD_SLACK_S = 1e-9
 # backstop only, the engine bounds every request far below it.
 DEFAULT_PENDING_LEASE_TTL_MS = 600_000
 
-# A pure function of the hash, memoized and bounded: an evicted item that
-# comes back is re-allocated under the same mm_hash, and BLAKE2b is the
-# largest single cost of an allocate on the CPU.
-_fingerprint = functools.lru_cache(maxsize=1 << 16)(mm_hash_fingerprint)
 
 
 class EncoderCacheBlocks:
@@ -144,7 +139,9 @@ class EncoderCacheBlocks:
         (:meth:`evict_lru`) or answers with :meth:`next_reusable_in_ms`.
         """
         counts = check_tokens_per_block(tokens_per_block, self._usable, self._block_size)
-        fingerprint = _fingerprint(mm_hash)
+        # Memoized: an evicted item that comes back is re-allocated under the same
+        # mm_hash, and BLAKE2b is the largest single cost of an allocate on the CPU.
+        fingerprint = cached_fingerprint(mm_hash)
         with self._lock:
             now = self._clock()
             if now >= self._next_due:

@@ -43,7 +43,7 @@ from common.errors import (
     LimitExceededError,
     NotFoundError,
 )
-from common.fingerprint import mm_hash_fingerprint
+from common.fingerprint import cached_fingerprint
 from common.metrics import EncoderMetrics
 from encoder_server.cache_blocks import EncoderCacheBlocks, Lease
 from encoder_server.preprocess import Preprocessor, ProcessedItem
@@ -115,7 +115,7 @@ def _located(mm_hash: str, lease: Lease, grid_thw: tuple[int, ...], *, hit: bool
         block_ids=alloc.block_ids,
         tokens_per_block=alloc.tokens_per_block,
         num_tokens=alloc.num_tokens,
-        fingerprint=mm_hash_fingerprint(mm_hash),
+        fingerprint=cached_fingerprint(mm_hash),
         generation=alloc.generation,
         lease=lease,
         hit=hit,

@@ -11,18 +11,14 @@ in one indexed copy.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from common.errors import ECLoadFailure, LoadFailureReason
-from common.fingerprint import mm_hash_fingerprint
+from common.fingerprint import cached_fingerprint as fingerprint_of
 from common.wire import pb2
-
-# A pure function of the hash, memoized: the same items are pulled again and again.
-fingerprint_of = functools.lru_cache(maxsize=1 << 16)(mm_hash_fingerprint)
 
 
 def check_location(loc: pb2.ItemLocation, block_size: int) -> None:
