@@ -325,7 +325,7 @@ class EncoderCacheClient:
                 results[i] = PulledItem(loc.mm_hash, local.embeddings, local.grid_thw, local.encoder, "local")
             else:
                 todo.append(i)
-        conn.release([loc.lease_id for loc, r in zip(locations, results) if r is not None])
+        self._releaser.add(conn, [loc.lease_id for loc, r in zip(locations, results) if r is not None])
         if todo:
             for i, item in zip(todo, self._pull_verified(conn, [locations[i] for i in todo])):
                 results[i] = item
