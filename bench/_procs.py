@@ -15,14 +15,14 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_encoder(workdir: Path, transport: str, blocks: int, *, ready_timeout_s: float, block_size: int = 64,
-                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], int, str]:
+def start_encoder(workdir: Path, transport: str, blocks: int, *, ready_timeout_s: float, block_size: int = 64
+                  ) -> tuple[subprocess.Popen[bytes], int, str]:
     """`epd encoder` on 127.0.0.1, port 0, eager graphs, 64-row blocks by default; (process, port, transport)."""
     ready = workdir / "encoder.ready.json"
     cmd = [sys.executable, "-m", "common.cli", "encoder", "--host", "127.0.0.1", "--port", "0",
            "--metrics-port", "-1", "--transport", transport, "--encoder-backend", "eager",
            "--cache-blocks", str(blocks), "--block-size", str(block_size), "--ready-file", str(ready),
-           "--log-level", "WARNING", *extra]
+           "--log-level", "WARNING"]
     with open(workdir / "encoder.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     deadline = time.monotonic() + ready_timeout_s

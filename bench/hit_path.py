@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -45,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _procs import png, start_encoder, stop  # noqa: E402
-from pull_throughput import BareReader  # noqa: E402
+from pull_throughput import BareReader, timed  # noqa: E402
 
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc  # noqa: E402
 from prefill_client.client import EncoderCacheClient  # noqa: E402
-from prefill_client.encoder_conn import MediaSpec  # noqa: E402
+from prefill_client.encoder_conn import MediaSpec, encode_request_bytes  # noqa: E402
 
 MODEL_ID = "tiny-qwen3-vl"
 READY_TIMEOUT_S = 180.0
@@ -83,12 +82,6 @@ def median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e3, 3)
 
 
-def timed(fn: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
-
-
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     images = [png(7000 + i, size=args.size) for i in range(args.items)]
     tokens = (args.size // 32) ** 2
@@ -109,9 +102,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
             hashes = [p.mm_hash for p in pulled]
             stub = pb2_grpc.EncoderCacheServiceStub(channel)
             send = echo_channel.unary_unary(ECHO_METHOD)  # raw bytes both ways
-            request_bytes = pb2.EncodeRequest(
-                model_id=MODEL_ID, consumer_id="bench", items=[MediaSpec.image(b).to_proto() for b in images]
-            ).SerializeToString()
+            # What the client sends for these images (without an incarnation id).
+            request_bytes = encode_request_bytes(MODEL_ID, "bench", "", [MediaSpec.image(b) for b in images])
             hs = stub.Handshake(pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, model_id=MODEL_ID),
                                 timeout=RPC_TIMEOUT_S)
             landing = torch.empty((blocks, hs.layout.bytes_per_block), dtype=torch.uint8)
@@ -119,15 +111,12 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
             lookup_request = pb2.LookupRequest(model_id=MODEL_ID, consumer_id="bench-floor", mm_hashes=hashes,
                                                incarnation_id=hs.incarnation_id)
 
-            def raw_lookup() -> pb2.LookupResponse:
-                return stub.Lookup(lookup_request, timeout=RPC_TIMEOUT_S)
-
             samples: dict[str, list[float]] = {k: [] for k in ("lookup", "lookup_rpc", "bare_read",
                                                                "encode_cached", "send")}
             for i in range(args.repeats + 2):
                 times = {"lookup": timed(lambda: client.lookup(hashes, require=True))}
                 started = time.perf_counter()
-                resp = raw_lookup()
+                resp = stub.Lookup(lookup_request, timeout=RPC_TIMEOUT_S)
                 times["lookup_rpc"] = time.perf_counter() - started
                 remote = np.fromiter((b for r in resp.results for b in r.location.block_ids), dtype=np.int32)
                 local = np.arange(len(remote), dtype=np.int32)

@@ -2,8 +2,9 @@
 
 ``EncoderCacheBlocks`` owns ``buffer [num_blocks, block_size, fat_dim]`` and
 ``stamps int64[num_blocks, 2]`` (per block its tag, then its generation; the
-views ``mm_hash_tags`` and ``block_generations``), allocated once; the last block is scratch and never allocated. A usable block
-is *active* (owned by an item), *held* or *free*::
+views ``mm_hash_tags`` and ``block_generations``), allocated once; the last
+block is scratch and never allocated. A usable block is *active* (owned by an
+item), *held* or *free*::
 
     free --allocate--> active --free/evict--> held --min_hold passed--> free
 

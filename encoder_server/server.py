@@ -201,17 +201,10 @@ class EncoderServer:
 
     def _handshake_extra(self) -> pb2.HandshakeResponse:
         assert self.transport is not None
-        t = self.transport
         pp = self._preprocess_config
         assert pp is not None
-        return pb2.HandshakeResponse(
-            agent_name=t.agent_name,
-            agent_metadata=t.agent_metadata(),
-            buffer_region=t.buffer_region.to_proto(),
-            stamp_region=t.stamp_region.to_proto(),
-            transport=self.transport_kind.value,
-            preprocess=params_to_proto(pp.params(), pp.fingerprint()),
-        )
+        return self.transport.fill_handshake(
+            pb2.HandshakeResponse(preprocess=params_to_proto(pp.params(), pp.fingerprint())))
 
     # --- background --------------------------------------------------------------------------
 

@@ -308,9 +308,9 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         is too close to send the answer, or it passes while the answer is on
         its way. In the first we answer ``DEADLINE_EXCEEDED`` and release the
         leases now; for the second a done-callback releases them when the call
-        ended past (or within the margin of) its deadline. Releasing a lease whose answer did arrive
-        costs nothing in safety (the consumer's tag READ still proves the
-        data); it only stops pinning the item.
+        ended past (or within the margin of) its deadline. Releasing a lease
+        whose answer did arrive costs nothing in safety (the consumer's stamp
+        READ still proves the data); it only stops pinning the item.
         """
         lease_ids = [r.lease.lease_id for r in results if isinstance(r, Located)]
         if not lease_ids:

@@ -279,7 +279,7 @@ class EncoderCacheClient:
         attempts = 2 if self.failure_policy is FailurePolicy.RETRY else 1
         for attempt in range(attempts):
             try:
-                locations = self._encode_admitted(conn, items)
+                return self._pull(conn, self._encode_admitted(conn, items))
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # overloaded, not down: no fail-over
                     raise self._fail(LoadFailureReason.TIMEOUT, [], f"Encode on {conn.target}: {exc.details()}",
@@ -289,14 +289,7 @@ class EncoderCacheClient:
                 raise
             except PeerDisconnected as exc:
                 raise _EncoderDown(str(exc)) from exc
-            except ECLoadFailure as exc:  # an item left the cache while the encoder answered
-                if attempt + 1 < attempts and exc.reason in _RETRYABLE:
-                    logger.warning("retrying after %s", exc)
-                    continue
-                raise
-            try:
-                return self._pull(conn, locations)
-            except ECLoadFailure as exc:
+            except ECLoadFailure as exc:  # from the answer (an item left the cache) or from the pull
                 if attempt + 1 < attempts and exc.reason in _RETRYABLE:
                     logger.warning("retrying after %s", exc)
                     continue

@@ -1,10 +1,13 @@
-"""Lease-release notifications carried by the tag READ (prefill writes, encoder reads).
+"""Lease-release notifications a READ can carry (a consumer writes, the encoder reads).
 
 A NIXL READ can carry a message that the *target* agent receives when the
-transfer completes. The prefill worker's tag READ carries the leases it is
-done with, so releasing them costs no extra round trip. The encoder decodes
-whatever arrives and must not trust it: every malformed message is a
-``ValueError`` naming what is wrong.
+transfer completes, so a consumer may release leases on its stamp READ. The
+encoder accepts them from any consumer. This project's client does not send
+them: a READ with a notification waits for the encoder's agent to make
+progress, so it releases by a batched Release RPC instead
+(:mod:`prefill_client.releaser`). The encoder decodes whatever arrives and
+must not trust it: every malformed message is a ``ValueError`` naming what is
+wrong.
 
 Layout (little-endian): ``b"EPDR"``, version byte, three zero bytes,
 ``uint32`` count, then ``count`` ``uint64`` lease ids.

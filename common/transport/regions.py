@@ -1,7 +1,8 @@
 """Registered memory regions as plain numbers, and the NIXL descriptors built from them (both processes).
 
-The encoder describes each of its two regions (cache buffer, stamp region) as ``base address, stride, count, device, memory type``;
-the handshake carries exactly these integers, and a prefill worker builds its
+The encoder describes each of its two regions (cache buffer, stamp region) as
+``base address, stride, count, device, memory type``; the handshake carries
+exactly these integers, and a prefill worker builds its
 own ``N x 3`` descriptor arrays from them. Nothing a peer sends is ever
 deserialized into an object (NIXL's ``get_serialized_descs`` is pickle).
 """

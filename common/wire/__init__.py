@@ -16,7 +16,9 @@ from common.wire import encoder_cache_pb2_grpc as pb2_grpc
 #       notification on the tag read.
 #   2 - item content digests (the input of every mm_hash) are BLAKE3 instead of
 #       BLAKE2b: a version-1 peer would name the same bytes by another mm_hash.
-#       ItemError carries the item's mm_hash.
+#       The handshake's stamp_region (per block: tag, then generation, 16 bytes)
+#       replaces tag_region and generation_region. ItemError carries the item's
+#       mm_hash; an item lost while its Encode ran is a per-item ABORTED.
 PROTOCOL_VERSION = 2
 
 SERVICE_NAME = "epd.v1.EncoderCacheService"

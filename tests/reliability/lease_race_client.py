@@ -7,8 +7,7 @@ embeddings as a second encoder (same weights, a large cache) delivered them.
 The loop calls :meth:`EncoderCacheClient.encode` (the client's local cache off
 unless ``--local-cache-blocks`` says otherwise) and compares every delivered embedding with its reference. It prints one
 JSON object: delivered and wrong counts, each wrong item's worst difference,
-and every failure by kind; a failure that is not one of our typed errors (or
-a raw ``INTERNAL`` / ``UNKNOWN`` status) is reported as ``untyped:...``.
+and every failure by kind (:func:`tests.support.outcomes.classify`).
 """
 
 from __future__ import annotations
@@ -21,34 +20,14 @@ import random
 import sys
 import time
 
-import grpc
 import torch
 
-from common.errors import CacheFullError, ECLoadFailure, EpdError, LimitExceededError
 from prefill_client.client import EncoderCacheClient
 from prefill_client.encoder_conn import MediaSpec
+from tests.support.outcomes import classify
 from tests.support.reference import matches
 
 MODEL_ID = "tiny-qwen3-vl"
-
-
-def classify(exc: BaseException) -> str:
-    if isinstance(exc, CacheFullError):
-        return "cache_full"
-    if isinstance(exc, LimitExceededError):
-        return "limit"
-    if isinstance(exc, ECLoadFailure):
-        return f"ec_load_failure:{exc.reason.value}"
-    if isinstance(exc, grpc.RpcError):
-        code = exc.code()
-        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-            return f"untyped:{code.name}:{exc.details()}"
-        return f"status:{code.name}"
-    if type(exc) is EpdError:  # the root class: nothing a caller could act on
-        return f"untyped:EpdError:{exc}"
-    if isinstance(exc, EpdError):
-        return f"typed:{type(exc).__name__}"
-    return f"untyped:{type(exc).__name__}:{exc}"
 
 
 def main(argv: list[str]) -> int:
@@ -74,8 +53,8 @@ def main(argv: list[str]) -> int:
     outcomes: collections.Counter[str] = collections.Counter()
     sources: collections.Counter[str] = collections.Counter()
     stop_at = time.monotonic() + args.seconds
-    with EncoderCacheClient(args.encoder, MODEL_ID, transport_kind=args.transport, local_cache_blocks=args.local_cache_blocks,
-                            rpc_timeout_s=args.rpc_timeout_s, pull_timeout_s=args.pull_timeout_s,
+    with EncoderCacheClient(args.encoder, MODEL_ID, transport_kind=args.transport,
+                            local_cache_blocks=args.local_cache_blocks, rpc_timeout_s=args.rpc_timeout_s, pull_timeout_s=args.pull_timeout_s,
                             consumer_id=f"race-client-{args.seed}") as client:
         while time.monotonic() < stop_at and delivered < args.max_delivered:
             picks = rng.sample(range(len(images)), 2)

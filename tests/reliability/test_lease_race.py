@@ -36,6 +36,7 @@ from prefill_client.encoder_conn import MediaSpec
 from tests.reliability.conftest import SHARED_TRANSPORT
 from tests.reliability.support import MODEL, SERVING, health, occupancy, start_encoder_soon, wait_until
 from tests.support.media import image_bytes
+from tests.support.outcomes import untyped
 from tests.support.procs import EncoderProcess
 from tests.support.reference import matches
 
@@ -114,8 +115,7 @@ def test_no_wrong_embedding_when_leases_expire_mid_request(
         delivered, wrong, outcomes, sources = summarize(reports)
         print(f"lease ttl {lease_ttl_ms}: delivered {delivered} {dict(sources)}, outcomes {dict(outcomes)}")
         assert wrong == [], f"wrong embeddings delivered: {wrong[:10]}"
-        untyped = {k: v for k, v in outcomes.items() if k.startswith("untyped")}
-        assert untyped == {}, f"untyped failures: {untyped}"
+        assert untyped(outcomes) == {}, f"untyped failures: {untyped(outcomes)}"
         assert delivered >= DELIVERIES_PER_SETTING, f"only {delivered} deliveries: {dict(outcomes)}"
         assert sources["hit"] > 0 and sources["miss"] > 0, sources  # both paths raced
         assert health(enc.target) == SERVING
@@ -137,7 +137,7 @@ def test_callers_that_leave_leave_no_lease(tmp_path: Path, references: Path) -> 
         delivered, wrong, outcomes, _ = summarize(reports)
         print(f"short deadlines: delivered {delivered}, outcomes {dict(outcomes)}")
         assert wrong == [], f"wrong embeddings delivered: {wrong[:10]}"
-        assert not any(k.startswith("untyped") for k in outcomes), outcomes
+        assert untyped(outcomes) == {}, outcomes
         assert outcomes["ec_load_failure:timeout"] > 0, f"no caller ever gave up: {dict(outcomes)}"
         # Leases default to 30 s: any lease pinned by an answer nobody read would still be active.
         wait_until(lambda: occupancy(enc)[3] == 0, 2.0, "no lease active once the clients stopped")

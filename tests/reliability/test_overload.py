@@ -18,15 +18,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import grpc
-
-from common.errors import CacheFullError, ECLoadFailure, LimitExceededError
 from common.transport import ConsumerTransport
 from prefill_client.client import EncoderCacheClient
 from prefill_client.encoder_conn import MediaSpec
 from tests.reliability.conftest import SHARED_TRANSPORT
 from tests.reliability.support import MODEL, SERVING, health, occupancy, wait_until
 from tests.support.media import image_bytes
+from tests.support.outcomes import classify, untyped
 from tests.support.procs import start_encoder
 from tests.support.reference import Reference, matches
 
@@ -40,21 +38,6 @@ SLACK_S = 3.0  # scheduling on a loaded two-core machine
 LEASE_TTL_MS = 3000
 # 384x384: 144 tokens, three blocks each; one request of two needs six of the eight usable blocks.
 IMAGES = [image_bytes(384, 384, seed=700 + i) for i in range(16)]
-
-
-def classify(exc: BaseException) -> str:
-    """A short name for a clear, typed outcome; anything else fails the test."""
-    if isinstance(exc, CacheFullError):
-        return "cache_full"
-    if isinstance(exc, LimitExceededError):
-        return "limit"
-    if isinstance(exc, ECLoadFailure):
-        return f"ec_load_failure:{exc.reason.value}"
-    if isinstance(exc, grpc.RpcError):
-        code = exc.code()
-        assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), exc
-        return f"status:{code.name}"
-    raise AssertionError(f"untyped failure under load: {exc!r}") from exc
 
 
 def test_more_clients_than_the_encoder_can_serve(tmp_path: Path) -> None:
@@ -103,6 +86,7 @@ def test_more_clients_than_the_encoder_can_serve(tmp_path: Path) -> None:
         assert not any(t.is_alive() for t in threads), "a client hung"
         assert not errors, errors
         assert sum(outcomes.values()) == CLIENTS * REQUESTS_PER_CLIENT, outcomes  # nothing dropped
+        assert untyped(outcomes) == {}, f"untyped failures under load: {untyped(outcomes)}"
         assert wrong == [], "a delivered embedding differs from its reference"
         assert late == [], f"calls past their bound of {CALL_BOUND_S} s: {late}"
         assert outcomes["ok"] > 0, outcomes

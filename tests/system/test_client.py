@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -40,6 +41,23 @@ def _encode_when_admitted(client: EncoderCacheClient, data: bytes) -> None:
 
 def _is_tag_read(info: PostInfo) -> bool:
     return info.nbytes % 16 == 0 and info.nbytes <= 16 * 64  # tags + generations: 16 bytes a block
+
+
+def _once_before_tag_read(client: EncoderCacheClient, action: Callable[[], None],
+                          posts: list[PostInfo] | None = None) -> Callable[[PostInfo], None]:
+    """A mock ``before_post`` hook: at the client's next tag READ only, wait past the encoder's
+    200 ms lease TTL (the pulled items become evictable), then run ``action``. ``posts`` records
+    every READ posted up to then."""
+    def hook(info: PostInfo) -> None:
+        if posts is not None:
+            posts.append(info)
+        if not _is_tag_read(info):
+            return
+        client.transport.agent.faults.before_post = None
+        time.sleep(0.3)
+        action()
+
+    return hook
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
@@ -97,18 +115,13 @@ def test_block_reused_between_the_reads_is_caught(tmp_path, reason) -> None:
     try:
         with EncoderCacheClient(enc.target, MODEL, transport_kind="mock") as client, \
                 EncoderCacheClient(enc.target, MODEL, transport_kind="mock") as other:
-            def reuse(info: PostInfo) -> None:
-                if not _is_tag_read(info):
-                    return
-                client.transport.agent.faults.before_post = None
-                time.sleep(0.3)  # past the lease TTL: the item is evictable now
+            def reuse() -> None:
                 _encode_when_admitted(other, b)
                 if reason is LoadFailureReason.GENERATION_MISMATCH:
                     _encode_when_admitted(other, a)  # same item, same block, new generation
 
-            client.transport.agent  # noqa: B018 - created with the client
             client.media_params()  # handshake first, so the hook sees only the pull's posts
-            client.transport.agent.faults.before_post = reuse
+            client.transport.agent.faults.before_post = _once_before_tag_read(client, reuse)
             with pytest.raises(ECLoadFailure) as info:
                 client.encode([MediaSpec.image(a)])
             assert info.value.reason is reason
@@ -118,9 +131,8 @@ def test_block_reused_between_the_reads_is_caught(tmp_path, reason) -> None:
             retry = EncoderCacheClient(enc.target, MODEL, transport_kind="mock", failure_policy="retry")
             with retry:
                 retry.media_params()
-                retry.transport.agent.faults.before_post = lambda i: (
-                    setattr(retry.transport.agent.faults, "before_post", None),
-                    time.sleep(0.3), _encode_when_admitted(other, b)) if _is_tag_read(i) else None
+                retry.transport.agent.faults.before_post = _once_before_tag_read(
+                    retry, lambda: _encode_when_admitted(other, b))
                 got = retry.encode([MediaSpec.image(a)])[0]
                 assert matches(got.embeddings, REF.image(a))
     finally:
@@ -205,16 +217,11 @@ def test_one_bad_item_of_a_batched_pull_fails_alone(tmp_path) -> None:
     try:
         with EncoderCacheClient(enc.target, MODEL, transport_kind="mock") as client, \
                 EncoderCacheClient(enc.target, MODEL, transport_kind="mock") as other:
-            def evict_first(info: PostInfo) -> None:
-                if not _is_tag_read(info):
-                    return
-                client.transport.agent.faults.before_post = None
-                time.sleep(0.3)  # past the lease TTL: all three are evictable, the first is least recent
-                _encode_when_admitted(other, d)
-
             client.media_params()
             posts: list[PostInfo] = []
-            client.transport.agent.faults.before_post = lambda info: (posts.append(info), evict_first(info))
+            # Past the lease TTL all three are evictable, the first least recent: d takes its block.
+            client.transport.agent.faults.before_post = _once_before_tag_read(
+                client, lambda: _encode_when_admitted(other, d), posts)
             with pytest.raises(ECLoadFailure) as info:
                 client.encode([MediaSpec.image(x) for x in (a, b, c)])
             assert info.value.reason is LoadFailureReason.TAG_MISMATCH

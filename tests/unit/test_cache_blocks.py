@@ -519,7 +519,8 @@ def test_next_reusable_in_ms_rounds_up() -> None:
 def test_records_are_slotted() -> None:
     entry = SlotEntry("a", [0], [1], 1, 1)
     assert not hasattr(entry, "__dict__")
-    for record in (Lease(1, "a", "", 0.0, ONE_BLOCK), ONE_BLOCK, LeaseStats(0, 0, 0, 0), CacheOccupancy(0, 0, 0, 0, 0, 0)):
+    records = (Lease(1, "a", "", 0.0, ONE_BLOCK), ONE_BLOCK, LeaseStats(0, 0, 0, 0), CacheOccupancy(0, 0, 0, 0, 0, 0))
+    for record in records:
         assert not hasattr(record, "__dict__")
     with pytest.raises(AttributeError):
         entry.unknown = 1  # type: ignore[attr-defined]

@@ -2,11 +2,11 @@
 
 Random sequences of allocate / mark_written / acquire (handed out at once or
 pending) / start_lease / release / free / evict / touch / admission queries /
-clock advances, checked step by step against a model. Time is kept in ticks of 1/1024 s and holds and lease TTLs are multiples
-of 125 ms, so clock values and deadlines are exact in binary floating point and
-the model demands exact agreement on when a block becomes reusable and when a
-lease expires; one rule jumps to one tick before, or exactly onto, the next
-deadline.
+clock advances, checked step by step against a model. Time is kept in ticks of
+1/1024 s and holds and lease TTLs are multiples of 125 ms, so clock values and
+deadlines are exact in binary floating point and the model demands exact
+agreement on when a block becomes reusable and when a lease expires; one rule
+jumps to one tick before, or exactly onto, the next deadline.
 """
 
 from __future__ import annotations
