@@ -1,23 +1,30 @@
 """Graph backends for the aliased encoder write: eager, torch.compile, Neuron (encoder process).
 
-The graph is :func:`aliased_write`: it takes the pixel inputs, the packing
-metadata, the cache buffer and the destination row of every output row,
-runs the tower, ``index_copy_``s the rows into the buffer and returns the
-buffer. The buffer is an input-output alias: the graph writes its storage in
-place (Inductor emits the ``index_copy`` as a store into the argument; no copy
-of the buffer, no device-to-host transfer).
+The graph takes the pixel inputs, the packing metadata, the cache buffer and
+the destination row of every output row, runs the tower, ``index_copy_``s the
+rows into the buffer and returns the buffer. The buffer is an input-output
+alias: the graph writes its storage in place (Inductor emits the
+``index_copy`` as a store into the argument; no copy of the buffer, no
+device-to-host transfer).
 
-* ``eager``: PyTorch eager, any device.
-* ``compile``: ``torch.compile(dynamic=False, fullgraph=True)``, one graph per
-  bucket shape (CPU and CUDA). Exact-size launches run eagerly so an oversize
-  frame never triggers a recompile.
+* ``eager``: PyTorch eager, any device. Frames back to back with no padding
+  (:func:`frames_write`): a launch costs exactly its rows.
+* ``compile``: ``torch.compile(dynamic=False, fullgraph=True)`` of
+  :func:`frames_write`, one graph per bucket (CPU and CUDA): the frames of a
+  launch lie back to back, padded at the tail to the bucket; attention by
+  frame is one opaque custom op, so which frames a launch holds never changes
+  the graph. Exact-size launches run eagerly so an oversize frame never
+  triggers a recompile.
 * ``neuron``: ``torch_neuronx.trace`` per bucket shape with the buffer declared
-  as an aliased state tensor. Imported lazily; without ``torch-neuronx`` it
-  fails at construction with a message saying what to install.
+  as an aliased state tensor; frames packed into ``[n, L]`` attention blocks
+  with a mask per frame (:attr:`Layout.BLOCKS`), as a traced graph needs every
+  shape and op static. Imported lazily; without ``torch-neuronx`` it fails at
+  construction with a message saying what to install.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,63 +45,77 @@ BACKENDS = ("eager", "compile", "neuron", "auto")
 CPU_AUTO_BACKEND = "compile"
 
 
+class Layout(enum.Enum):
+    """How a launch's frames lie in its inputs."""
+
+    FRAMES = "frames"  # back to back from row 0; tail padding; attention by frame
+    BLOCKS = "blocks"  # in [n, L] attention blocks; padding at each block's end; attention masked
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchInputs:
-    """The static-shape inputs of one launch (all on the encoder's device)."""
+    """The inputs of one launch (all on the encoder's device but ``frames``), flat over ``rows`` patches.
 
-    pixels: torch.Tensor  # [n, L, patch_dim] encoder dtype; padding rows are zeros
-    interp_index: torch.Tensor  # [n, L, 4] int64
-    interp_weight: torch.Tensor  # [n, L, 4] float32
-    positions: torch.Tensor  # [n, L, 2] int64 (row, col)
-    segments: torch.Tensor  # [n, L] int32; one id per frame, -1 on padding
-    dest: torch.Tensor  # [n * L / merge**2] int64 flat buffer rows; padding -> scratch block
+    In the blocks layout, ``rows = n * L`` and block ``b`` is rows ``[b*L, (b+1)*L)``.
+    """
+
+    patches: torch.Tensor  # frames layout: [rows, hidden_size] patch embeddings; blocks: [rows, patch_dim] pixels
+    interp_index: torch.Tensor  # [rows, 4] int64
+    interp_weight: torch.Tensor  # [rows, 4] float32
+    positions: torch.Tensor  # [rows, 2] int64 (row, col)
+    frames: torch.Tensor  # frames layout: patches per frame, int64 on the host, zero-padded; blocks: empty
+    segments: torch.Tensor  # blocks layout: [rows] int32, one id per frame, -1 on padding; frames: empty
+    dest: torch.Tensor  # [rows / merge**2] int64 flat buffer rows; padding -> scratch block
 
 
-def aliased_write(
+def frames_write(
     encoder: VisionEncoder,
-    pixels: torch.Tensor,
+    patches: torch.Tensor,
     interp_index: torch.Tensor,
     interp_weight: torch.Tensor,
     positions: torch.Tensor,
-    segments: torch.Tensor,
+    frames: torch.Tensor,
     dest: torch.Tensor,
     buffer: torch.Tensor,
 ) -> torch.Tensor:
-    """Encode one launch and scatter its rows into ``buffer`` in place; returns ``buffer``."""
-    # A patch attends to the patches of its own frame only. Padding rows share id -1:
-    # they attend to each other (never an empty softmax row) and never to real rows.
-    mask = (segments.unsqueeze(-1) == segments.unsqueeze(-2)).unsqueeze(1)
-    rows = encoder.forward_blocks(pixels, interp_index, interp_weight, positions, mask)
+    """Encode one launch (frames layout) and scatter its rows into ``buffer`` in place; returns ``buffer``."""
+    rows = encoder.forward_frames(patches, interp_index, interp_weight, positions, frames)
     buffer.view(-1, buffer.shape[-1]).index_copy_(0, dest, rows.to(buffer.dtype))
     return buffer
 
 
 class GraphBackend(Protocol):
     name: str
+    layout: Layout
+    static_shapes: bool  # False: launches are not padded to their bucket
 
     def run(self, shape: BucketShape, exact: bool, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
         ...
 
 
 def _call(fn: Any, encoder: VisionEncoder, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
-    out: torch.Tensor = fn(encoder, inputs.pixels, inputs.interp_index, inputs.interp_weight,
-                           inputs.positions, inputs.segments, inputs.dest, buffer)
+    out: torch.Tensor = fn(encoder, inputs.patches, inputs.interp_index, inputs.interp_weight,
+                           inputs.positions, inputs.frames, inputs.dest, buffer)
     return out
 
 
 class EagerBackend:
     name = "eager"
+    layout = Layout.FRAMES
+    static_shapes = False
 
     def __init__(self, encoder: VisionEncoder) -> None:
         self._encoder = encoder
 
     def run(self, shape: BucketShape, exact: bool, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return _call(aliased_write, self._encoder, inputs, buffer)
+            return _call(frames_write, self._encoder, inputs, buffer)
 
 
 class CompileBackend:
     name = "compile"
+    layout = Layout.FRAMES
+    static_shapes = True
 
     def __init__(self, encoder: VisionEncoder, num_shapes: int) -> None:
         self._encoder = encoder
@@ -104,27 +125,33 @@ class CompileBackend:
         limit_name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
         if getattr(dynamo_config, limit_name) < num_shapes + 1:
             setattr(dynamo_config, limit_name, num_shapes + 1)
-        self._compiled = torch.compile(aliased_write, dynamic=False, fullgraph=True)
+        self._compiled = torch.compile(frames_write, dynamic=False, fullgraph=True)
 
     def run(self, shape: BucketShape, exact: bool, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return _call(aliased_write if exact else self._compiled, self._encoder, inputs, buffer)
+            return _call(frames_write if exact else self._compiled, self._encoder, inputs, buffer)
 
 
 class _NeuronWrite(nn.Module):
     """The tower plus the cache as a state tensor, the form ``torch_neuronx.trace`` aliases."""
 
-    def __init__(self, encoder: VisionEncoder, buffer: torch.Tensor) -> None:
+    def __init__(self, encoder: VisionEncoder, shape: BucketShape, buffer: torch.Tensor) -> None:
         super().__init__()
         self.encoder = encoder
+        self.blocks = shape.num_blocks
         # Shares the buffer's storage; traced with input_output_aliases so the
         # compiled graph updates it in device memory instead of returning a copy.
         self.cache = nn.Parameter(buffer, requires_grad=False)
 
     def forward(self, pixels: torch.Tensor, interp_index: torch.Tensor, interp_weight: torch.Tensor,
                 positions: torch.Tensor, segments: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+        n = self.blocks
+        # A patch attends to the patches of its own frame only. Padding rows share id -1:
+        # they attend to each other (never an empty softmax row) and never to real rows.
+        segments = segments.view(n, -1)
         mask = (segments.unsqueeze(-1) == segments.unsqueeze(-2)).unsqueeze(1)
-        rows = self.encoder.forward_blocks(pixels, interp_index, interp_weight, positions, mask)
+        rows = self.encoder.forward_blocks(pixels.view(n, -1, pixels.shape[-1]), interp_index.view(n, -1, 4),
+                                           interp_weight.view(n, -1, 4), positions.view(n, -1, 2), mask)
         flat = self.cache.view(-1, self.cache.shape[-1])
         return flat.index_copy(0, dest, rows.to(flat.dtype)).view_as(self.cache)
 
@@ -137,6 +164,8 @@ class NeuronBackend:
     """
 
     name = "neuron"
+    layout = Layout.BLOCKS
+    static_shapes = True
 
     def __init__(self, encoder: VisionEncoder) -> None:
         try:
@@ -154,10 +183,10 @@ class NeuronBackend:
     def run(self, shape: BucketShape, exact: bool, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
         key = (shape, buffer.data_ptr())
         graph = self._graphs.get(key)
-        example = (inputs.pixels, inputs.interp_index, inputs.interp_weight, inputs.positions,
+        example = (inputs.patches, inputs.interp_index, inputs.interp_weight, inputs.positions,
                    inputs.segments, inputs.dest)
         if graph is None:
-            module = _NeuronWrite(self._encoder, buffer)
+            module = _NeuronWrite(self._encoder, shape, buffer)
             logger.info("tracing the encoder for Neuron at bucket %s", shape)
             graph = self._neuronx.trace(module, example, input_output_aliases={module.cache: 0})
             self._graphs[key] = graph

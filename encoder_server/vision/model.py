@@ -5,15 +5,18 @@ grid, 2-D rotary attention, pre-norm transformer blocks, the 2x2 patch merger
 and the deepstack mergers. Module and parameter names are the Hugging Face
 ones, so a checkpoint's ``model.visual.*`` tensors load by name.
 
-The tower is written over *attention blocks*: ``forward_blocks`` takes
-``[n, L, ...]`` tensors where each of the ``n`` blocks attends only within
-itself, optionally restricted further by a boolean mask (segments of packed
-frames). Every frame is independent through the whole tower (attention is
-per frame, the mergers act on ``merge x merge`` neighbours of one frame), so:
+Every frame (one temporal patch of an item) is independent through the whole
+tower: attention is per frame, the mergers act on ``merge x merge``
+neighbours of one frame. Two ways to run many frames at once:
 
-* :meth:`VisionEncoder.embed` runs frames of equal size as blocks with no mask;
-* the cached static-shape path packs frames of many items into fixed-size
-  blocks and masks attention per frame (see :mod:`.runner`).
+* :meth:`VisionEncoder.forward_frames` (the fast path: :meth:`embed`, and the
+  eager and compiled serving graphs): frames lie back to back in one flat
+  sequence of patches and each attends to itself only (:func:`frame_attention`,
+  one unmasked SDPA call per run of equal-length frames). Attention costs the
+  sum of each frame's square, and every other layer runs on rows, so the rows
+  of a batch pay for nothing but themselves (and the bucket's tail padding).
+* :meth:`VisionEncoder.forward_blocks` (the Neuron graph, where every shape
+  must be static): ``[n, L]`` attention blocks with a boolean mask per frame.
 
 An output row is ``concat(main merger, deepstack_1 .. deepstack_k)`` with the
 deepstack levels in layer order: ``fat_dim = out_hidden_size * (1 + k)``.
@@ -22,14 +25,14 @@ deepstack levels in layer order: ``fat_dim = out_hidden_size * (1 + k)``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from encoder_server.vision.config import VisionConfig
-from encoder_server.vision.positions import frame_interpolation, frame_positions
+from encoder_server.vision.positions import frame_tables
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +74,66 @@ class VisionMLP(nn.Module):
         return out
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rotate the two halves of ``x``'s last dim by the angles whose ``cos, sin`` are given (half width).
+
+    The reference's ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)``, in float32
+    whatever the weights' dtype, as the reference model does.
+    """
+    first, second = x.float().chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(dtype)
+
+
+def frame_runs(frame_lengths: list[int]) -> list[tuple[int, int, int]]:
+    """``(first row, frames, rows per frame)`` of each run of equal, consecutive frame lengths.
+
+    A length of 0 ends the list (the rest of the sequence is padding).
+    """
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for length in frame_lengths:
+        if length <= 0:
+            break
+        if runs and runs[-1][2] == length:
+            first, count, _ = runs[-1]
+            runs[-1] = (first, count + 1, length)
+        else:
+            runs.append((start, 1, length))
+        start += length
+    return runs
+
+
+@torch.library.custom_op("epd::frame_attention", mutates_args=())
+def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame_lengths: torch.Tensor) -> torch.Tensor:
+    """Attention of each frame to itself over a flat sequence: ``q, k, v [rows, heads, head_dim]``.
+
+    ``frame_lengths`` (int64, on the host) lists the frames' row counts in
+    order, from row 0, padded with zeros to a static length; rows after the
+    last frame are padding and come out as zeros. Runs of equal-length frames
+    share one SDPA call without a mask, so every frame gets the backend's fast
+    kernel and no work crosses frames. A custom op: compiled graphs keep static
+    shapes and call it as one opaque step, whatever the frames in a launch.
+    """
+    total, heads, head_dim = q.shape
+    parts: list[torch.Tensor] = []
+    end = 0
+    for first, count, length in frame_runs(frame_lengths.tolist()):
+        end = first + count * length
+        # [count*length, heads, dim] -> [count, heads, length, dim]; SDPA takes the strides as they
+        # are and lays its output out as [count, length, heads, dim], so the way back is a view.
+        qs, ks, vs = (t[first:end].view(count, length, heads, head_dim).transpose(1, 2) for t in (q, k, v))
+        parts.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(-1, heads, head_dim))
+    if end < total:
+        parts.append(q.new_zeros(total - end, heads, head_dim))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts)
+
+
+@frame_attention.register_fake
+def _frame_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           frame_lengths: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 class VisionAttention(nn.Module):
@@ -84,17 +144,24 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, config.hidden_size * 3, bias=True)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        """Flat ``x [rows, hidden]``, ``cos, sin [rows, head_dim]``; ``frames``: see :func:`frame_attention`."""
+        rows, hidden = x.shape
+        qkv = self.qkv(x).view(rows, 3, self.num_heads, self.head_dim)
+        v = qkv[:, 2]
+        # q and k rotate together: [rows, 2, heads, dim] against [rows, 1, 1, dim/2]
+        q, k = _rotary(qkv[:, :2], cos[:, None, None], sin[:, None, None], v.dtype).unbind(1)
+        out = frame_attention(q, k, v, frames)
+        projected: torch.Tensor = self.proj(out.reshape(rows, hidden))
+        return projected
+
+    def forward_masked(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Blocks ``x [n, L, hidden]``, ``cos, sin [n, L, head_dim]``, ``mask [n, 1, L, L]`` bool."""
         blocks, length, hidden = x.shape
         qkv = self.qkv(x).view(blocks, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # [blocks, heads, length, head_dim]
-        # Rotary in float32 whatever the weights' dtype, as the reference model does.
         cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)
-        qf, kf = q.float(), k.float()
-        q = (qf * cos_h + _rotate_half(qf) * sin_h).to(v.dtype)
-        k = (kf * cos_h + _rotate_half(kf) * sin_h).to(v.dtype)
+        q, k = _rotary(q, cos_h, sin_h, v.dtype), _rotary(k, cos_h, sin_h, v.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         projected: torch.Tensor = self.proj(out.transpose(1, 2).reshape(blocks, length, hidden))
         return projected
@@ -108,10 +175,13 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config)
         self.mlp = VisionMLP(config)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        return self._mlp(x + self.attn(self.norm1(x), cos, sin, frames))
+
+    def forward_masked(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self._mlp(x + self.attn.forward_masked(self.norm1(x), cos, sin, mask))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = x + self.mlp(self.norm2(x))
         return out
 
@@ -155,10 +225,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [..., 2]`` (row, col) -> ``cos, sin [..., head_dim]`` float32."""
+        """``positions [..., 2]`` (row, col) -> ``cos, sin [..., head_dim / 2]`` float32.
+
+        Each half of a head rotates by the same angles (see :func:`_rotary`), so one half's are returned.
+        """
         freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [..., 2, head_dim/4]
         angles = freqs.flatten(-2)  # row frequencies, then column frequencies
-        angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()
 
 
@@ -187,31 +259,62 @@ class VisionEncoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.pos_embed.weight.dtype
 
+    def forward_frames(
+        self,
+        patches: torch.Tensor,
+        interp_index: torch.Tensor,
+        interp_weight: torch.Tensor,
+        positions: torch.Tensor,
+        frames: torch.Tensor,
+    ) -> torch.Tensor:
+        """Encode frames lying back to back in one flat sequence of ``rows`` patches.
+
+        patches ``[rows, hidden_size]``, the patch embeddings (:meth:`embed_patches`:
+        items are embedded before they are packed, so packing moves rows of
+        ``hidden_size``, not of ``patch_dim``); interp_index ``[rows, 4]`` int64 and
+        interp_weight ``[rows, 4]`` (see :func:`.positions.frame_interpolation`);
+        positions ``[rows, 2]`` (row, col); frames: the frames' patch counts, int64
+        on the host (see :func:`frame_attention`). Returns ``[rows / merge**2, fat_dim]``.
+        """
+        x, cos, sin = self._add_positions(patches, interp_index, interp_weight, positions)
+        return self._layers(x, lambda block, h: block(h, cos, sin, frames))
+
+    def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``[rows, patch_dim]`` pixels -> ``[rows, hidden_size]`` patch embeddings."""
+        out: torch.Tensor = self.patch_embed(pixels)
+        return out
+
     def forward_blocks(
         self,
         pixels: torch.Tensor,
         interp_index: torch.Tensor,
         interp_weight: torch.Tensor,
         positions: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Encode ``n`` attention blocks of ``L`` patches each.
+        """Encode ``n`` attention blocks of ``L`` patches each, attention restricted by ``mask``.
 
-        pixels ``[n, L, patch_dim]``; interp_index ``[n, L, 4]`` int64 and
-        interp_weight ``[n, L, 4]`` (see :func:`.positions.frame_interpolation`);
-        positions ``[n, L, 2]`` (row, col); mask ``[n, 1, L, L]`` bool or None.
-        Returns ``[n * L / merge**2, fat_dim]``; ``L`` is a multiple of merge**2 and
-        every frame starts at a multiple of it.
+        The inputs of :meth:`forward_frames` shaped ``[n, L, ...]``, and mask
+        ``[n, 1, L, L]`` bool. Returns ``[n * L / merge**2, fat_dim]``; ``L`` is a
+        multiple of merge**2 and every frame starts at a multiple of it.
         """
-        x = self.patch_embed(pixels)
-        table = self.pos_embed(interp_index)  # [n, L, 4, hidden]
+        x, cos, sin = self._add_positions(self.patch_embed(pixels), interp_index, interp_weight, positions)
+        return self._layers(x, lambda block, h: block.forward_masked(h, cos, sin, mask))
+
+    def _add_positions(
+        self, x: torch.Tensor, interp_index: torch.Tensor, interp_weight: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        table = self.pos_embed(interp_index)  # [..., 4, hidden]
         x = x + (table * interp_weight.unsqueeze(-1)).sum(dim=-2).to(x.dtype)
         cos, sin = self.rotary_pos_emb(positions)
+        return x, cos, sin
+
+    def _layers(self, x: torch.Tensor, run: Callable[[VisionBlock, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         # Blocks run in layer order, so the deepstack features come out in layer
         # order too (the order the language model adds them in).
         deepstack: list[torch.Tensor] = []
         for layer, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask)
+            x = run(block, x)  # type: ignore[arg-type]
             slot = self._deepstack_slot.get(layer)
             if slot is not None:
                 deepstack.append(self.deepstack_merger_list[slot](x))
@@ -219,42 +322,27 @@ class VisionEncoder(nn.Module):
 
     @torch.inference_mode()
     def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
-        """Plain forward in the Hugging Face convention: ``[sum t*h*w / merge**2, fat_dim]``."""
+        """Plain forward in the Hugging Face convention: ``[sum t*h*w / merge**2, fat_dim]``.
+
+        The same path the serving graph takes (:meth:`forward_frames`), without padding.
+        """
         grids = _grid_list(grid_thw)
         cfg = self.config
-        merge, unit = cfg.spatial_merge_size, cfg.merge_unit
         total = sum(t * h * w for t, h, w in grids)
         if pixel_values.dim() != 2 or pixel_values.shape != (total, cfg.patch_dim):
             raise ValueError(
                 f"pixel_values shape {tuple(pixel_values.shape)} does not match grid_thw {grids}: "
                 f"expected ({total}, {cfg.patch_dim})"
             )
-        out = torch.empty(total // unit, self.fat_dim, dtype=self.dtype, device=self.device)
-        # Frames of the same grid run together as blocks; no mask: a block is one frame.
-        starts_by_shape: dict[tuple[int, int], list[int]] = {}
-        offset = 0
-        for t, h, w in grids:
-            if h % merge or w % merge:
-                raise ValueError(f"grid {(t, h, w)} is not a multiple of merge size {merge}")
-            for _ in range(t):
-                starts_by_shape.setdefault((h, w), []).append(offset)
-                offset += h * w
-        pixels = pixel_values.to(self.device)
-        for (h, w), starts in starts_by_shape.items():
-            frame = h * w
-            rows = torch.cat([torch.arange(s, s + frame) for s in starts]).to(self.device)
-            index, weight = frame_interpolation(h, w, merge, cfg.num_grid_per_side)
-            n = len(starts)
-            result = self.forward_blocks(
-                pixels.index_select(0, rows).view(n, frame, -1),
-                index.to(self.device).expand(n, -1, -1),
-                weight.to(self.device).expand(n, -1, -1),
-                frame_positions(h, w, merge).to(self.device).expand(n, -1, -1),
-                None,
-            )
-            dest = torch.cat([torch.arange(s // unit, (s + frame) // unit) for s in starts]).to(self.device)
-            out.index_copy_(0, dest, result.to(out.dtype))
-        return out
+        for grid in grids:
+            if grid[1] % cfg.spatial_merge_size or grid[2] % cfg.spatial_merge_size:
+                raise ValueError(f"grid {grid} is not a multiple of merge size {cfg.spatial_merge_size}")
+        frames = [(h, w) for t, h, w in grids for _ in range(t)]
+        index, weight, positions = frame_tables(frames, cfg.spatial_merge_size, cfg.num_grid_per_side)
+        device = self.device
+        return self.forward_frames(
+            self.embed_patches(pixel_values.to(device)), index.to(device), weight.to(device), positions.to(device),
+            torch.tensor([h * w for h, w in frames], dtype=torch.int64))
 
 
 def _grid_list(grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:

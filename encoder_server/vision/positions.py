@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -65,3 +66,15 @@ def frame_interpolation(height: int, width: int, merge: int, side: int) -> tuple
         [(1 - r_frac) * (1 - c_frac), (1 - r_frac) * c_frac, r_frac * (1 - c_frac), r_frac * c_frac], dim=-1
     )
     return indices, weights
+
+
+def frame_tables(
+    frames: Sequence[tuple[int, int]], merge: int, side: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Interpolation indices, weights and positions of frames ``(h, w)`` lying back to back.
+
+    ``[rows, 4]`` int64, ``[rows, 4]`` float32 and ``[rows, 2]`` int64, ``rows = sum(h * w)``.
+    """
+    taps = [frame_interpolation(h, w, merge, side) for h, w in frames]
+    return (torch.cat([index for index, _ in taps]), torch.cat([weight for _, weight in taps]),
+            torch.cat([frame_positions(h, w, merge) for h, w in frames]))

@@ -7,6 +7,11 @@ builds each launch's metadata on the host and runs the aliased-write graph
 ``buffer[block, row]``. Padding rows land in the scratch block. The buffer is
 never replaced: ``write`` returns the very object it was given.
 
+On the eager and compiled backends a launch is one flat sequence of frames
+attending each to itself, so a bucket is only a row count: any frames whose
+rows fit go together. The Neuron backend packs frames into masked attention
+blocks of ``attention_block`` tokens instead (see :mod:`.packing`).
+
 Buckets are in **merged tokens** (cache rows); ``max_batch_tokens`` is the
 largest bucket. A batch of several items must fit in it (the caller splits
 with :meth:`EncoderRunner.plan_batches`). A single item may be larger: its
@@ -20,23 +25,24 @@ Not thread-safe: one encoder thread drives a runner.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from common.errors import ConfigError
 from encoder_server.preprocess import ProcessedItem
-from encoder_server.vision.backends import LaunchInputs, make_backend
+from encoder_server.vision.backends import LaunchInputs, Layout, make_backend
 from encoder_server.vision.model import VisionEncoder
 from encoder_server.vision.packing import BucketShape, FrameRef, Launch, bucket_shapes, plan_launches
 from encoder_server.vision.positions import frame_interpolation, frame_positions
 
 logger = logging.getLogger(__name__)
 
-# 512 merged tokens = 2048 patches, the reference design's encoder attention block;
-# the default preprocessing caps an image at 512 tokens, so every image fits one.
-# Attention costs O(block^2) whatever the frames in it, so bigger blocks waste
-# compute on small images; smaller ones send large frames to the exact path.
+# Neuron only (masked blocks): 512 merged tokens = 2048 patches, the reference design's
+# encoder attention block; the default preprocessing caps an image at 512 tokens, so every
+# image fits one. A masked block costs O(block^2) whatever the frames in it, so bigger blocks
+# waste compute on small images; smaller ones send large frames to the exact path.
 DEFAULT_ATTENTION_BLOCK = 512
 DEFAULT_BUCKETS: tuple[int, ...] = (64, 256, 512, 1024, 2048)
 
@@ -60,19 +66,28 @@ class EncoderRunner:
         buckets: Sequence[int] | None = None,
         backend: str = "auto",
         attention_block: int = DEFAULT_ATTENTION_BLOCK,
+        pad_to_bucket: bool | None = None,
     ) -> None:
+        """``pad_to_bucket``: None pads where the backend needs static shapes; True pads eager
+        launches too, so they run exactly the inputs a compiled graph would see."""
         if block_size <= 0:
             raise ConfigError(f"block_size must be > 0, got {block_size}")
         self.encoder = encoder
         self.block_size = block_size
-        self._shapes = bucket_shapes(buckets if buckets is not None else DEFAULT_BUCKETS, attention_block)
+        sizes = tuple(buckets if buckets is not None else DEFAULT_BUCKETS)
+        self._backend = make_backend(backend, encoder, len(set(sizes)))
+        self.backend: str = self._backend.name
+        self._layout = self._backend.layout
+        self._pad = self._backend.static_shapes or bool(pad_to_bucket)
+        if self._layout is Layout.FRAMES:
+            # One "block" per launch, the whole bucket: frames only need to fit its rows.
+            attention_block = max(sizes, default=0)
+        self._shapes = bucket_shapes(sizes, attention_block)
         self.buckets: tuple[int, ...] = tuple(s.tokens for s in self._shapes)
         self.max_batch_tokens: int = self.buckets[-1]
         self.attention_block = attention_block
-        self._backend = make_backend(backend, encoder, len(self._shapes))
-        self.backend: str = self._backend.name
-        logger.info("encoder runner: backend %s, buckets %s (merged tokens), attention block %d",
-                    self.backend, self.buckets, attention_block)
+        logger.info("encoder runner: backend %s, buckets %s (merged tokens), %s layout",
+                    self.backend, self.buckets, self._layout.value)
 
     # --- batching ---------------------------------------------------------------------
 
@@ -134,20 +149,38 @@ class EncoderRunner:
             for index, item in enumerate(items)
             for frame in range(item.grid_thw[0])
         ]
+        if self._layout is Layout.FRAMES:
+            # Embed each item's patches once (a matmul per item); packing then moves rows of
+            # hidden_size, not the pixels' patch_dim (24x narrower for Qwen3-VL).
+            with torch.no_grad():
+                sources = [self.encoder.embed_patches(item.pixel_values.to(self.encoder.device)) for item in items]
+        else:
+            sources = [item.pixel_values.to(self.encoder.dtype) for item in items]
         for launch in plan_launches(frames, self._shapes):
-            inputs = self._launch_inputs(launch, items, dests, scratch_block_id)
+            inputs = self._launch_inputs(launch, items, sources, dests, scratch_block_id)
             result = self._backend.run(launch.shape, launch.exact, inputs, buffer)
             if result.data_ptr() != buffer.data_ptr():
                 raise RuntimeError(f"backend {self.backend} returned a tensor that is not the cache buffer")
             logger.debug("launch %s: %d real tokens of %d", launch.shape, launch.real_tokens, launch.shape.tokens)
         return buffer
 
-    def warmup(self, buffer: torch.Tensor, scratch_block_id: int) -> None:
-        """Build every bucket's graph now (compile/trace); writes only into the scratch block."""
+    def warmup(self, buffer: torch.Tensor, scratch_block_id: int,
+               on_bucket: Callable[[int, int], None] | None = None) -> None:
+        """Build every bucket's graph now (compile/trace); writes only into the scratch block.
+
+        A compile takes seconds to minutes per bucket, so each bucket is logged with its time
+        and ``on_bucket(ready, total)`` is called after it, for the server to report progress;
+        an exception it raises stops the warm-up there.
+        """
         self._check_buffer(buffer, scratch_block_id)
-        for shape in self._shapes:
+        for index, shape in enumerate(self._shapes, 1):
+            started = time.perf_counter()
             launch = Launch(shape, (), exact=False)
-            self._backend.run(shape, False, self._launch_inputs(launch, [], [], scratch_block_id), buffer)
+            self._backend.run(shape, False, self._launch_inputs(launch, [], [], [], scratch_block_id), buffer)
+            logger.info("warm-up bucket %d/%d (shape %s): %.1f s",
+                        index, len(self._shapes), shape, time.perf_counter() - started)
+            if on_bucket is not None:
+                on_bucket(index, len(self._shapes))
 
     # --- helpers ----------------------------------------------------------------------
 
@@ -212,47 +245,76 @@ class EncoderRunner:
         self,
         launch: Launch,
         items: Sequence[ProcessedItem],
+        sources: Sequence[torch.Tensor],
         dests: Sequence[torch.Tensor],
         scratch: int,
     ) -> LaunchInputs:
+        """Inputs of one launch; ``sources[i]``: item ``i``'s patch embeddings (frames layout) or pixels."""
         cfg = self.encoder.config
         unit, merge, side = cfg.merge_unit, cfg.spatial_merge_size, cfg.num_grid_per_side
-        n, block_tokens = launch.shape.num_blocks, launch.shape.block_tokens
-        length = block_tokens * unit
-        pixels = torch.zeros(n, length, cfg.patch_dim, dtype=self.encoder.dtype)
-        interp_index = torch.zeros(n, length, 4, dtype=torch.int64)
-        interp_weight = torch.zeros(n, length, 4, dtype=torch.float32)
-        positions = torch.zeros(n, length, 2, dtype=torch.int64)
-        segments = torch.full((n, length), -1, dtype=torch.int32)
-        # Padding rows go to the scratch block, spread over its rows.
-        dest = torch.arange(n * block_tokens, dtype=torch.int64) % self.block_size + scratch * self.block_size
-        dest = dest.view(n, block_tokens)
-        segment = 0
+        frames_layout = self._layout is Layout.FRAMES
+        block_rows = launch.shape.block_tokens * unit
+        if frames_layout and not self._pad and launch.blocks:
+            total = launch.real_tokens * unit  # no padding at all (a warm-up launch, no frames: the whole bucket)
+        else:
+            total = launch.shape.tokens * unit
+        # Each frame's first row: back to back (frames layout) or from its block's start.
+        placed: list[tuple[int, FrameRef]] = []
+        cursor = 0
         for b, block in enumerate(launch.blocks):
-            offset = 0  # merged tokens used in this block
+            if not frames_layout:
+                cursor = b * block_rows
             for ref in block:
-                item = items[ref.item]
-                _, h, w = item.grid_thw
-                frame_patches = h * w
-                src = slice(ref.frame * frame_patches, (ref.frame + 1) * frame_patches)
-                dst = slice(offset * unit, offset * unit + frame_patches)
-                pixels[b, dst] = item.pixel_values[src]
-                index, weight = frame_interpolation(h, w, merge, side)
-                interp_index[b, dst] = index
-                interp_weight[b, dst] = weight
-                positions[b, dst] = frame_positions(h, w, merge)
-                segments[b, dst] = segment
-                dest[b, offset:offset + ref.tokens] = dests[ref.item][ref.frame * ref.tokens:(ref.frame + 1) * ref.tokens]
-                offset += ref.tokens
-                segment += 1
-        device = self.encoder.device
+                placed.append((cursor, ref))
+                cursor += ref.tokens * unit
+        pieces: dict[str, list[torch.Tensor]] = {"patches": [], "index": [], "weight": [], "positions": [],
+                                                 "segments": [], "dest": []}
+        device, dtype = self.encoder.device, self.encoder.dtype
+        width = cfg.hidden_size if frames_layout else cfg.patch_dim
+
+        def pad(start: int, end: int) -> None:
+            rows = end - start
+            if rows:
+                pieces["patches"].append(torch.zeros(rows, width, dtype=dtype, device=device))
+                pieces["index"].append(torch.zeros(rows, 4, dtype=torch.int64))
+                pieces["weight"].append(torch.zeros(rows, 4, dtype=torch.float32))
+                pieces["positions"].append(torch.zeros(rows, 2, dtype=torch.int64))
+                pieces["segments"].append(torch.full((rows,), -1, dtype=torch.int32))
+                # Padding rows go to the scratch block, spread over its rows.
+                tokens = torch.arange(start // unit, end // unit, dtype=torch.int64)
+                pieces["dest"].append(tokens % self.block_size + scratch * self.block_size)
+
+        cursor = 0
+        for segment, (start, ref) in enumerate(placed):
+            pad(cursor, start)
+            item = items[ref.item]
+            _, h, w = item.grid_thw
+            rows = h * w
+            pieces["patches"].append(sources[ref.item][ref.frame * rows:(ref.frame + 1) * rows])
+            index, weight = frame_interpolation(h, w, merge, side)
+            pieces["index"].append(index)
+            pieces["weight"].append(weight)
+            pieces["positions"].append(frame_positions(h, w, merge))
+            pieces["segments"].append(torch.full((rows,), segment, dtype=torch.int32))
+            pieces["dest"].append(dests[ref.item][ref.frame * ref.tokens:(ref.frame + 1) * ref.tokens])
+            cursor = start + rows
+        pad(cursor, total)
+        if frames_layout:
+            lengths = [ref.tokens * unit for _, ref in placed]
+            slots = launch.shape.tokens if self._pad else len(lengths)
+            frames = torch.tensor(lengths + [0] * (slots - len(lengths)), dtype=torch.int64)
+            segments = torch.empty(0, dtype=torch.int32)
+        else:
+            frames = torch.empty(0, dtype=torch.int64)
+            segments = torch.cat(pieces["segments"])
         return LaunchInputs(
-            pixels=pixels.to(device, non_blocking=True),
-            interp_index=interp_index.to(device, non_blocking=True),
-            interp_weight=interp_weight.to(device, non_blocking=True),
-            positions=positions.to(device, non_blocking=True),
+            patches=torch.cat(pieces["patches"]).to(device, non_blocking=True),
+            interp_index=torch.cat(pieces["index"]).to(device, non_blocking=True),
+            interp_weight=torch.cat(pieces["weight"]).to(device, non_blocking=True),
+            positions=torch.cat(pieces["positions"]).to(device, non_blocking=True),
+            frames=frames,
             segments=segments.to(device, non_blocking=True),
-            dest=dest.reshape(-1).to(device, non_blocking=True),
+            dest=torch.cat(pieces["dest"]).to(device, non_blocking=True),
         )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Sequence
 
 import pytest
@@ -12,6 +11,8 @@ import torch
 from common.errors import ConfigError
 from encoder_server.preprocess import ProcessedItem
 from encoder_server.vision import EncoderRunner, default_tokens_per_block, load_encoder
+from encoder_server.vision import runner as runner_module
+from encoder_server.vision.backends import LaunchInputs, Layout, _NeuronWrite
 from encoder_server.vision.model import VisionEncoder
 from encoder_server.vision.packing import BucketShape, FrameRef, bucket_shapes, first_fit, plan_launches
 
@@ -68,7 +69,32 @@ def test_mixed_batch_equals_each_item_alone(encoder: VisionEncoder) -> None:
         torch.testing.assert_close(rows_of(buffer, b, counts), alone, atol=ATOL, rtol=ATOL)
 
 
-def test_rows_do_not_depend_on_batch_or_bucket(encoder: VisionEncoder) -> None:
+class MaskedBlocksOnCpu:
+    """The Neuron backend's traced module run eagerly: the blocks layout and its masks, checked on a CPU."""
+
+    name = "neuron-on-cpu"
+    layout = Layout.BLOCKS
+    static_shapes = True
+
+    def __init__(self, encoder: VisionEncoder) -> None:
+        self._encoder = encoder
+
+    def run(self, shape: BucketShape, exact: bool, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
+        module = _NeuronWrite(self._encoder, shape, buffer)
+        with torch.no_grad():
+            buffer.copy_(module(inputs.patches, inputs.interp_index, inputs.interp_weight, inputs.positions,
+                                inputs.segments, inputs.dest))
+        return buffer
+
+
+@pytest.fixture(params=["frames", "blocks"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "blocks":
+        monkeypatch.setattr(runner_module, "make_backend", lambda name, encoder, shapes: MaskedBlocksOnCpu(encoder))
+    return str(request.param)
+
+
+def test_rows_do_not_depend_on_batch_or_bucket(encoder: VisionEncoder, layout: str) -> None:
     items = mixed_batch(encoder)
     tpbs = [default_tokens_per_block(i.num_tokens, BLOCK) for i in items]
     blocks = allocate(items, tpbs)
@@ -76,17 +102,20 @@ def test_rows_do_not_depend_on_batch_or_bucket(encoder: VisionEncoder) -> None:
     for buckets, attention_block, order in [((64,), 64, [0, 1, 2]), ((16, 32, 64), 16, [2, 0, 1]),
                                            ((64, 128), 32, [1, 2, 0])]:
         runner = EncoderRunner(encoder, block_size=BLOCK, buckets=buckets, attention_block=attention_block,
-                               backend="eager")
+                               backend="eager", pad_to_bucket=True)
         buffer = nan_buffer(encoder)
         runner.write([items[i] for i in order], [blocks[i] for i in order], [tpbs[i] for i in order],
                       buffer, SCRATCH)
         results.append(buffer[: sum(len(b) for b in blocks)].clone())
     for other in results[1:]:
         torch.testing.assert_close(other, results[0], atol=ATOL, rtol=ATOL, equal_nan=True)
+    for it, b, counts in zip(items, blocks, tpbs):
+        torch.testing.assert_close(rows_of(results[0], b, counts), encoder.embed(it.pixel_values, [it.grid_thw]),
+                                   atol=ATOL, rtol=ATOL)
 
 
-def test_padding_lands_only_in_the_scratch_block(encoder: VisionEncoder) -> None:
-    runner = EncoderRunner(encoder, block_size=BLOCK, buckets=(64, 128), attention_block=64, backend="eager")
+def test_padding_lands_only_in_the_scratch_block(encoder: VisionEncoder, layout: str) -> None:
+    runner = EncoderRunner(encoder, block_size=BLOCK, buckets=(64, 128), backend="eager", pad_to_bucket=True)
     items = mixed_batch(encoder)
     tpbs = [[12], [4], [5, 11, 11]]  # irregular splits: block rows past the count stay untouched
     blocks = [[3], [9], [5, 6, 12]]
@@ -206,20 +235,27 @@ def test_backend_selection(encoder: VisionEncoder) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("EPD_TEST_COMPILE"),
-                    reason="compiling takes about a minute on a small CPU; set EPD_TEST_COMPILE=1 "
-                           "(bench/encoder.py checks compiled against eager on every run)")
-def test_compiled_graph_writes_in_place(encoder: VisionEncoder) -> None:
-    runner = EncoderRunner(encoder, block_size=BLOCK, buckets=(16,), attention_block=16, backend="compile")
-    items = [item(encoder, (1, 4, 4), 1), item(encoder, (1, 6, 4), 2)]  # 4 + 6 tokens
+def test_compiled_graph_writes_in_place_and_never_recompiles(encoder: VisionEncoder) -> None:
+    from torch._dynamo.utils import counters
+
+    runner = EncoderRunner(encoder, block_size=BLOCK, buckets=(16,), backend="compile")
     buffer = nan_buffer(encoder)
+    runner.warmup(buffer, SCRATCH)
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled >= 1
     ptr = buffer.data_ptr()
-    assert runner.write(items, [[0], [1]], [[4], [6]], buffer, SCRATCH) is buffer
+    # two batches of different frames in the same bucket: the same graph serves both
+    for grids, first in ((((1, 4, 4), (1, 6, 4)), 0), (((1, 2, 2), (1, 2, 2), (2, 4, 2)), 2)):
+        items = [item(encoder, grid, seed) for seed, grid in enumerate(grids)]
+        tpbs = [[it.num_tokens] for it in items]
+        blocks = [[first + i] for i in range(len(items))]
+        assert runner.write(items, blocks, tpbs, buffer, SCRATCH) is buffer
+        for it, b, counts in zip(items, blocks, tpbs):
+            torch.testing.assert_close(rows_of(buffer, b, counts), encoder.embed(it.pixel_values, [it.grid_thw]),
+                                       atol=ATOL, rtol=ATOL)
     assert buffer.data_ptr() == ptr
-    for it, block, count in zip(items, (0, 1), (4, 6)):
-        torch.testing.assert_close(buffer[block, :count], encoder.embed(it.pixel_values, [it.grid_thw]),
-                                   atol=ATOL, rtol=ATOL)
-    assert torch.isnan(buffer[2:SCRATCH]).all()
+    assert counters["stats"]["unique_graphs"] == compiled, "a new mix of frames recompiled the bucket's graph"
+    assert torch.isnan(buffer[5:SCRATCH]).all()
 
 
 def test_preprocessed_images_and_video_end_to_end(encoder: VisionEncoder) -> None:

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from common.errors import ConfigError
 from encoder_server.vision import VisionConfig, load_encoder
+from encoder_server.vision.model import frame_attention, frame_runs
 from encoder_server.vision.positions import frame_interpolation, frame_positions
 
 qwen3_vl = pytest.importorskip("transformers.models.qwen3_vl.modeling_qwen3_vl")
@@ -149,3 +150,27 @@ def test_position_tables_follow_merge_block_order() -> None:
     assert index[0, 0] == 0 and weight[0, 0] == 1
     last = pos.tolist().index([3, 5])
     assert index[last, 0] == 63 and weight[last, 0] == 1
+
+
+def test_frame_runs_group_equal_neighbours_and_stop_at_padding() -> None:
+    assert frame_runs([16, 16, 8, 16, 0, 0]) == [(0, 2, 16), (32, 1, 8), (40, 1, 16)]
+    assert frame_runs([0, 4]) == [] and frame_runs([]) == []
+
+
+def test_frame_attention_equals_a_dense_masked_reference() -> None:
+    generator = torch.Generator().manual_seed(3)
+    lengths = [12, 12, 4, 12, 8]  # a run of two, then singles; 8 padding rows after them
+    rows, heads, dim = sum(lengths) + 8, 2, 16
+    q, k, v = (torch.randn(rows, heads, dim, generator=generator) for _ in range(3))
+    frames = torch.tensor(lengths + [0, 0, 0], dtype=torch.int64)
+    out = frame_attention(q, k, v, frames)
+    segment = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((8,), -1)])
+    mask = segment[:, None] == segment[None, :]
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask).transpose(0, 1)
+    real = sum(lengths)
+    torch.testing.assert_close(out[:real], dense[:real], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[real:], torch.zeros(8, heads, dim))
+    # one run covering every row: the same numbers, no padding
+    single = frame_attention(q[:24], k[:24], v[:24], torch.tensor([12, 12]))
+    torch.testing.assert_close(single, dense[:24], atol=1e-5, rtol=1e-5)
