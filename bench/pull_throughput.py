@@ -17,7 +17,18 @@ slows all of them alike, and reports the median of the repeats:
   between local landing blocks, one call per block.
 
 Rates count block bytes only (tags are overhead): ``*_gbps`` from the median
-round, ``*_best_gbps`` from the fastest (least disturbed by other load).
+round, ``*_best_gbps`` from the fastest (least disturbed by other load);
+``verified_us`` and ``bare_us`` are the median times of one pull.
+
+Rows are ``--row-bytes`` wide (4096 by default: fat_dim 2048 in bf16). With
+``--item-rows N`` each block size pulls one item of N rows instead of the
+``--batches``: ``ceil(N / rows per block)`` blocks, padding included, as the
+encoder lays an item out; ``item_gbps`` then counts the item's own rows only,
+so block sizes compare by what a worker gets (``bench/layout.py`` measures
+what they waste). Each block size then has its own producer process, and
+every round pulls from all of them in turn: the sizes are compared within
+the same rounds, as the three ways are.
+
 Targets: verified >= 90 % of bare for batches of 8+ blocks of 1 MiB or more,
 and >= 70 % for one block of 1 MiB. Memory: the producer buffer
 holds ``max batch + 2`` blocks of the largest size, the consumer ``max batch
@@ -25,9 +36,11 @@ holds ``max batch + 2`` blocks of the largest size, the consumer ``max batch
 buffers at 16 MiB x 64.
 
 Usage: ``python bench/pull_throughput.py [--transport auto|nixl|mock] [--quick]
-[--block-sizes 65536,1048576] [--batches 1,8,64] [--repeats 5]``. The last
-line of stdout is one JSON object:
-``{"transport", "results": [{"block_bytes", "batch", "verified_gbps", "bare_gbps", "memcpy_gbps"}], ...}``.
+[--block-sizes 65536,1048576] [--batches 1,8,64] [--repeats 5] [--row-bytes 4096]
+[--item-rows N]``. The last line of stdout is one JSON object: ``{"transport",
+"results": [{"block_bytes", "rows_per_block", "batch", "verified_gbps", "bare_gbps",
+"memcpy_gbps", "verified_us", "bare_us"}], ...}`` (with ``--item-rows``, each
+result also has ``item_rows`` and ``item_gbps``).
 """
 
 from __future__ import annotations
@@ -64,8 +77,7 @@ from common.transport.binding import LOCAL_AGENT, agent_name_of  # noqa: E402
 from common.transport.regions import RegionDesc  # noqa: E402
 from common.wire import pb2  # noqa: E402
 
-ROW_BYTES = 4096  # fat_dim 2048 in bf16
-FAT_DIM = ROW_BYTES // 2
+DEFAULT_ROW_BYTES = 4096  # fat_dim 2048 in bf16
 DEFAULT_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 DEFAULT_BATCHES = (1, 4, 8, 16, 64)
 QUICK_SIZES = (64 << 10, 1 << 20, 4 << 20)
@@ -82,7 +94,7 @@ def fingerprint(block: int) -> int:
 
 
 def serve(kind: str, progress_interval_s: float | Literal["auto"] | None) -> None:
-    """Producer: on ``layout BLOCK_BYTES NUM_BLOCKS``, register a fresh buffer and print its handshake."""
+    """Producer: on ``layout BLOCK_BYTES NUM_BLOCKS ROW_BYTES``, register a fresh buffer, print its handshake."""
     transport: ProducerTransport | None = None
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], 0.02)
@@ -93,19 +105,19 @@ def serve(kind: str, progress_interval_s: float | Literal["auto"] | None) -> Non
         line = sys.stdin.readline()
         if not line:
             break
-        _, block_bytes, num_blocks = line.split()
+        _, block_bytes, num_blocks, row_bytes = line.split()
         if transport is not None:
             transport.close()
         transport = ProducerTransport(kind, name_prefix="bench-producer", progress_interval_s=progress_interval_s)
         alloc = transport.allocator or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
-        rows, n = int(block_bytes) // ROW_BYTES, int(num_blocks)
-        buffer = alloc((n, rows, FAT_DIM), torch.bfloat16)
+        rows, n, fat_dim = int(block_bytes) // int(row_bytes), int(num_blocks), int(row_bytes) // 2
+        buffer = alloc((n, rows, fat_dim), torch.bfloat16)
         buffer.view(torch.int16).view(n, -1)[:, :] = torch.arange(n, dtype=torch.int16)[:, None]  # block b: b
         stamps = alloc((n, 2), torch.int64)  # per block: tag, generation
         stamps[:, 0].copy_(torch.tensor([fingerprint(b) for b in range(n)], dtype=torch.int64))
         stamps[:, 1].fill_(GENERATION)
         transport.register(buffer, stamps)
-        layout = pb2.CacheLayout(num_blocks=n, block_size=rows, fat_dim=FAT_DIM, dtype=pb2.D_TYPE_BFLOAT16,
+        layout = pb2.CacheLayout(num_blocks=n, block_size=rows, fat_dim=fat_dim, dtype=pb2.D_TYPE_BFLOAT16,
                                  scratch_block_id=n - 1, bytes_per_block=int(block_bytes))
         hs = transport.fill_handshake(pb2.HandshakeResponse(incarnation_id=transport.incarnation_id,
                                                             layout=layout))
@@ -121,9 +133,10 @@ class Producer:
                                       "--producer-progress-us", str(progress_us)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
-    def layout(self, block_bytes: int, num_blocks: int, timeout_s: float = 120.0) -> pb2.HandshakeResponse:
+    def layout(self, block_bytes: int, num_blocks: int, row_bytes: int,
+               timeout_s: float = 120.0) -> pb2.HandshakeResponse:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"layout {block_bytes} {num_blocks}\n")
+        self.proc.stdin.write(f"layout {block_bytes} {num_blocks} {row_bytes}\n")
         self.proc.stdin.flush()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -213,67 +226,106 @@ def clear(landing: torch.Tensor, local: np.ndarray) -> None:
         landing[lid].zero_()
 
 
-def run_size(kind: str, producer: Producer, block_bytes: int, batches: list[int], repeats: int,
-             rng: np.random.Generator, release: bool) -> list[dict[str, float | int]]:
-    max_batch = max(batches)
-    num_blocks = max_batch + 2  # random picks among max_batch + 1 usable blocks, plus scratch
-    hs = producer.layout(block_bytes, num_blocks)
-    # One spare landing block: the memcpy shifts the batch's blocks by one through it.
-    consumer = ConsumerTransport(kind, num_landing_blocks=max_batch + 1, name_prefix="bench-consumer")
-    peer = consumer.connect(hs)
-    landing = consumer.landing
-    bare = BareReader(kind, hs, landing.tensor)  # same landing memory, its own agent and dlists
-    expected = np.array([fingerprint(b) for b in range(num_blocks)], dtype=np.int64)
-    spare = landing.acquire(1)
-    assert spare is not None
-    results: list[dict[str, float | int]] = []
-    for batch in batches:
-        local = landing.acquire(batch)
+class Rig:
+    """One block size: the producer's buffer, a consumer connected to it, and a bare reader on its landing."""
+
+    def __init__(self, kind: str, producer: Producer, block_bytes: int, row_bytes: int, max_batch: int) -> None:
+        self.block_bytes, self.row_bytes = block_bytes, row_bytes
+        self.num_blocks = max_batch + 2  # random picks among max_batch + 1 usable blocks, plus scratch
+        hs = producer.layout(block_bytes, self.num_blocks, row_bytes)
+        # One spare landing block: the memcpy shifts the batch's blocks by one through it.
+        self.consumer = ConsumerTransport(kind, num_landing_blocks=max_batch + 1, name_prefix="bench-consumer")
+        self.peer = self.consumer.connect(hs)
+        self.landing = self.consumer.landing
+        self.bare = BareReader(kind, hs, self.landing.tensor)  # same landing memory, its own agent and dlists
+        self.expected = np.array([fingerprint(b) for b in range(self.num_blocks)], dtype=np.int64)
+        spare = self.landing.acquire(1)
+        assert spare is not None
+        self.spare_ids = spare
+        self.spare = int(spare[0])
+
+    def close(self) -> None:
+        self.landing.release(self.spare_ids)
+        self.consumer.close()
+
+
+class Point:
+    """``batch`` random blocks of one rig, pulled three ways once per round; the timed rounds' samples."""
+
+    def __init__(self, rig: Rig, batch: int) -> None:
+        self.rig, self.batch = rig, batch
+        local = rig.landing.acquire(batch)
         assert local is not None
-        chain = [landing.tensor[i].data_ptr() for i in [int(spare[0]), *local.tolist()]]
-        pairs = list(zip(chain[:-1], chain[1:], strict=True))  # batch copies between distinct blocks
-        samples: dict[str, list[float]] = {"verified": [], "bare": [], "memcpy": []}
-        for i in range(repeats + 2):  # the first two rounds warm up and are not counted
-            remote = rng.choice(num_blocks - 1, size=batch, replace=False).astype(np.int32)
-            # Both READs take the same blocks, and the second finds them warm in the CPU caches:
-            # alternate which goes second.
-            reads = {"verified": lambda: verified_pull(peer, remote, local, expected, release),
-                     "bare": lambda: bare.read(remote, local)}
-            order = ["verified", "bare"] if i % 2 == 0 else ["bare", "verified"]
-            times = {name: timed(reads[name]) for name in order}
-            times["memcpy"] = timed(memcpy, pairs, block_bytes)
-            if i >= 2:
-                for key, seconds in times.items():
-                    samples[key].append(seconds)
-        # Outside the timed rounds: what lands is the producer's bytes, through both paths.
-        remote = rng.choice(num_blocks - 1, size=batch, replace=False).astype(np.int32)
-        clear(landing.tensor, local)
-        verified_pull(peer, remote, local, expected)
-        check_contents(landing.tensor, local, remote)
-        clear(landing.tensor, local)
-        bare.read(remote, local)
-        check_contents(landing.tensor, local, remote)
-        landing.release(local)
-        nbytes = batch * block_bytes
-        row: dict[str, float | int] = {"block_bytes": block_bytes, "batch": batch}
+        self.local = local
+        chain = [rig.landing.tensor[i].data_ptr() for i in [rig.spare, *local.tolist()]]
+        self.pairs = list(zip(chain[:-1], chain[1:], strict=True))  # batch copies between distinct blocks
+        self.samples: dict[str, list[float]] = {"verified": [], "bare": [], "memcpy": []}
+
+    def round(self, i: int, rng: np.random.Generator, release: bool) -> None:
+        """Round ``i``: the first two warm up and are not counted."""
+        rig, local = self.rig, self.local
+        remote = rng.choice(rig.num_blocks - 1, size=self.batch, replace=False).astype(np.int32)
+        # Both READs take the same blocks, and the second finds them warm in the CPU caches:
+        # alternate which goes second.
+        reads = {"verified": lambda: verified_pull(rig.peer, remote, local, rig.expected, release),
+                 "bare": lambda: rig.bare.read(remote, local)}
+        order = ["verified", "bare"] if i % 2 == 0 else ["bare", "verified"]
+        times = {name: timed(reads[name]) for name in order}
+        times["memcpy"] = timed(memcpy, self.pairs, rig.block_bytes)
+        if i >= 2:
+            for key, seconds in times.items():
+                self.samples[key].append(seconds)
+
+    def finish(self, rng: np.random.Generator, item_rows: int | None) -> dict[str, float | int]:
+        """Check what lands through both paths (untimed), give the landing blocks back, and report."""
+        rig, local, batch, samples = self.rig, self.local, self.batch, self.samples
+        remote = rng.choice(rig.num_blocks - 1, size=batch, replace=False).astype(np.int32)
+        clear(rig.landing.tensor, local)
+        verified_pull(rig.peer, remote, local, rig.expected)
+        check_contents(rig.landing.tensor, local, remote)
+        clear(rig.landing.tensor, local)
+        rig.bare.read(remote, local)
+        check_contents(rig.landing.tensor, local, remote)
+        rig.landing.release(local)
+        nbytes = batch * rig.block_bytes
+        row: dict[str, float | int] = {"block_bytes": rig.block_bytes,
+                                       "rows_per_block": rig.block_bytes // rig.row_bytes, "batch": batch}
         for key, values in samples.items():
             row[f"{key}_gbps"] = round(nbytes / statistics.median(values) / 1e9, 3)
         for key, values in samples.items():
             row[f"{key}_best_gbps"] = round(nbytes / min(values) / 1e9, 3)
-        results.append(row)
-        print(f"{block_bytes >> 10:>6} KiB x {batch:>2}: verified {row['verified_gbps']:7.2f} GB/s  "
+        row["verified_us"] = round(statistics.median(samples["verified"]) * 1e6, 1)
+        row["bare_us"] = round(statistics.median(samples["bare"]) * 1e6, 1)
+        item = ""
+        if item_rows is not None:
+            row["item_rows"] = item_rows
+            row["item_gbps"] = round(item_rows * rig.row_bytes / statistics.median(samples["verified"]) / 1e9, 3)
+            item = f"  item of {item_rows} rows: {row['verified_us']:.0f} us, {row['item_gbps']:.2f} GB/s"
+        print(f"{rig.block_bytes / 1024:>7g} KiB x {batch:>2}: verified {row['verified_gbps']:7.2f} GB/s  "
               f"bare {row['bare_gbps']:7.2f}  memcpy {row['memcpy_gbps']:7.2f}  "
-              f"ratio {row['verified_gbps'] / row['bare_gbps']:.2f}", flush=True)
-    landing.release(spare)
-    consumer.close()
-    return results
+              f"ratio {row['verified_gbps'] / row['bare_gbps']:.2f}{item}", flush=True)
+        return row
+
+
+def measure(points: list[Point], repeats: int, rng: np.random.Generator, release: bool,
+            item_rows: int | None) -> list[dict[str, float | int]]:
+    """Round-robin over ``points``: each round pulls every point once, so load from other work hits all alike."""
+    for i in range(repeats + 2):
+        for point in points:
+            point.round(i, rng, release)
+    return [point.finish(rng, item_rows) for point in points]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--transport", default="auto", help="auto, nixl or mock")
     parser.add_argument("--quick", action="store_true", help="three sizes up to 4 MiB, batches 1, 8, 32")
-    parser.add_argument("--block-sizes", help="comma-separated bytes per block (multiples of 4096)")
+    parser.add_argument("--block-sizes", help="comma-separated bytes per block (multiples of --row-bytes)")
+    parser.add_argument("--row-bytes", type=int, default=DEFAULT_ROW_BYTES,
+                        help="bytes per cache row (fat_dim x 2, bf16); the tiny model's rows are 384")
+    parser.add_argument("--item-rows", type=int, default=None,
+                        help="pull one item of this many rows per block size (its whole blocks) instead of "
+                             "--batches")
     parser.add_argument("--batches", help="comma-separated blocks per pull")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per point (median reported)")
     parser.add_argument("--producer-progress-us", type=int, default=-1,
@@ -296,20 +348,40 @@ def main() -> None:
     batches = sorted({int(b) for b in args.batches.split(",")} if args.batches else set(
         QUICK_BATCHES if args.quick else DEFAULT_BATCHES))
     repeats = args.repeats or 5
-    if any(s % ROW_BYTES or s <= 0 for s in sizes) or any(b <= 0 for b in batches):
-        parser.error(f"block sizes must be positive multiples of {ROW_BYTES} and batches positive")
-    producer = Producer(kind, args.producer_progress_us)
+    row_bytes = args.row_bytes
+    if row_bytes <= 0 or row_bytes % 2:
+        parser.error(f"--row-bytes must be a positive even number (bf16 rows), got {row_bytes}")
+    if any(s % row_bytes or s <= 0 for s in sizes) or any(b <= 0 for b in batches):
+        parser.error(f"block sizes must be positive multiples of {row_bytes} and batches positive")
+    if args.item_rows is not None and args.item_rows <= 0:
+        parser.error(f"--item-rows must be > 0, got {args.item_rows}")
     rng = np.random.default_rng(0)
     started = time.monotonic()
     results: list[dict[str, float | int]] = []
+    # With --item-rows every block size has its own producer and all of them take turns in each round;
+    # otherwise one producer registers one size after the other, whose batches are measured in turn.
+    producers = [Producer(kind, args.producer_progress_us) for _ in (sizes if args.item_rows else sizes[:1])]
     try:
-        for size in sizes:
-            results += run_size(kind, producer, size, batches, repeats, rng, args.release_on_tag_read)
+        if args.item_rows:
+            item_batches = [-(-args.item_rows // (size // row_bytes)) for size in sizes]  # whole blocks
+            rigs = [Rig(kind, producer, size, row_bytes, batch)
+                    for producer, size, batch in zip(producers, sizes, item_batches, strict=True)]
+            points = [Point(rig, batch) for rig, batch in zip(rigs, item_batches, strict=True)]
+            results = measure(points, repeats, rng, args.release_on_tag_read, args.item_rows)
+            for rig in rigs:
+                rig.close()
+        else:
+            for size in sizes:
+                rig = Rig(kind, producers[0], size, row_bytes, max(batches))
+                for batch in batches:
+                    results += measure([Point(rig, batch)], repeats, rng, args.release_on_tag_read, None)
+                rig.close()
     except EpdError as exc:
         print(f"transport error: {exc}", file=sys.stderr)
         raise
     finally:
-        producer.close()
+        for producer in producers:
+            producer.close()
     def ratios(keep: Callable[[dict[str, float | int]], bool]) -> list[float]:
         return [float(r["verified_gbps"]) / float(r["bare_gbps"]) for r in results if keep(r)]
 
@@ -320,6 +392,7 @@ def main() -> None:
         "release_notification": args.release_on_tag_read,
         "producer_progress": "auto" if args.producer_progress_us < 0 else (
             "nixl-thread" if args.producer_progress_us == 0 else f"poller-{args.producer_progress_us}us"),
+        "row_bytes": row_bytes,
         "results": results,
         "repeats": repeats,
         "seconds": round(time.monotonic() - started, 1),

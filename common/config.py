@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import ConfigError
-from common.layout import CacheLayout, auto_num_blocks, parse_dtype
+
+if typing.TYPE_CHECKING:
+    from common.layout import CacheLayout
 
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_METRICS_PORT = 9400
@@ -36,6 +38,11 @@ READINESS_SERVICE = "readiness"
 # a process, 100 ms in EPD mode so a remote reader can finish its pull.
 MONOLITHIC_MIN_HOLD_MS = 0
 EPD_MIN_HOLD_MS = 100
+
+# The names in common.layout.DTYPES. Checked here without importing common.layout: it
+# needs torch, which takes seconds to import, and `epd encoder` binds its health port
+# before that (a unit test keeps the two lists equal).
+CACHE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class CacheMode(str, enum.Enum):
@@ -66,8 +73,11 @@ class CacheConfig:
     mode: CacheMode = setting(
         CacheMode.EPD, env="EPD_CACHE_MODE", flag="--cache-mode",
         help="epd (remote readers, 100 ms default hold) or monolithic (0 ms hold)")
-    block_size: int = setting(
-        256, env="EPD_BLOCK_SIZE", help="cache rows (merged tokens) per block")
+    block_size: int | None = setting(
+        None, env="EPD_BLOCK_SIZE",
+        help="cache rows (merged tokens) per block; default from the row width: the largest power of two in "
+             "16..64 whose block is at most 1 MiB, else 16 (64 for the tiny model; padding at most 8 %, "
+             "bench/layout.py)")
     num_blocks: int | None = setting(
         None, env="EPD_CACHE_BLOCKS", flag="--cache-blocks",
         help="encoder_cache_num_blocks: total blocks including the scratch block; "
@@ -89,15 +99,18 @@ class CacheConfig:
         "bfloat16", env="EPD_CACHE_DTYPE", flag="--cache-dtype", help="cache buffer dtype: bfloat16, float16, float32")
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "cache_tokens", "lease_ttl_ms"):
+        for name in ("cache_tokens", "lease_ttl_ms"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        if self.block_size is not None:
+            _require(self.block_size > 0, "block_size", self.block_size, "must be > 0")
         if self.num_blocks is not None:
             _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, "must be >= 2")
         if self.cache_bytes is not None:
             _require(self.cache_bytes > 0, "cache_bytes", self.cache_bytes, "must be > 0")
         if self.min_hold_ms is not None:
             _require(self.min_hold_ms >= 0, "min_hold_ms", self.min_hold_ms, "must be >= 0")
-        parse_dtype(self.dtype)
+        if self.dtype not in CACHE_DTYPES:
+            raise ConfigError(f"unsupported cache dtype {self.dtype!r}; expected one of {sorted(CACHE_DTYPES)}")
 
     @property
     def effective_min_hold_ms(self) -> int:
@@ -106,9 +119,18 @@ class CacheConfig:
         return EPD_MIN_HOLD_MS if self.mode is CacheMode.EPD else MONOLITHIC_MIN_HOLD_MS
 
     def layout(self, out_hidden_size: int, num_deepstack_levels: int) -> CacheLayout:
-        """The buffer layout for an encoder with the given output width."""
+        """The buffer layout for an encoder with the given output width.
+
+        An unset ``block_size`` is resolved here, from the row width, because only the encoder's model
+        knows it; everything downstream (block count, buffer, handshake) reads the layout's value.
+        """
+        from common.layout import CacheLayout, auto_block_size, auto_num_blocks, compute_fat_dim, parse_dtype
+
         dtype = parse_dtype(self.dtype)
-        probe = CacheLayout(2, self.block_size, out_hidden_size, num_deepstack_levels, dtype)
+        block_size = self.block_size
+        if block_size is None:
+            block_size = auto_block_size(compute_fat_dim(out_hidden_size, num_deepstack_levels) * dtype.itemsize)
+        probe = CacheLayout(2, block_size, out_hidden_size, num_deepstack_levels, dtype)
         if self.num_blocks is not None:
             num_blocks = self.num_blocks
         elif self.cache_bytes is not None:
@@ -116,7 +138,7 @@ class CacheConfig:
             _require(num_blocks >= 2, "cache_bytes", self.cache_bytes,
                      f"holds fewer than 2 blocks of {probe.bytes_per_block} bytes")
         else:
-            num_blocks = auto_num_blocks(self.cache_tokens, self.block_size)
+            num_blocks = auto_num_blocks(self.cache_tokens, block_size)
         return dataclasses.replace(probe, num_blocks=num_blocks)
 
 
@@ -165,6 +187,16 @@ class EncoderServerConfig:
         "auto", env="EPD_ENCODER_BACKEND",
         help="encoder graph backend: eager, compile (torch.compile, every bucket compiled at start-up), "
              "neuron, or auto (compile, measured faster than eager on CPU)")
+    encoder_buckets: tuple[int, ...] | None = setting(
+        None, env="EPD_ENCODER_BUCKETS",
+        help="sizes in merged tokens of the static-shape encoder graphs, comma separated; each is built "
+             "before the encoder is ready, so fewer buckets start faster and more pad less. Unset: the "
+             "built-in set (DEFAULT_BUCKETS in encoder_server/vision/runner.py)")
+    compile_cache_dir: str | None = setting(
+        None, env="EPD_COMPILE_CACHE_DIR",
+        help="directory for compiled encoder graphs (TorchInductor FX-graph and AOTAutograd caches, Triton "
+             "kernels under triton/), created if missing; a restart with the same directory skips most of "
+             "the compile. Unset: torch's default under the temp directory")
     encode_batch_tokens: int = setting(
         256, env="EPD_ENCODE_BATCH_TOKENS",
         help="most merged tokens of concurrent misses packed into one encoder run (an item larger "
@@ -196,6 +228,9 @@ class EncoderServerConfig:
         _require(self.encoder_backend in ("auto", "eager", "compile", "neuron"), "encoder_backend",
                  self.encoder_backend, "must be auto, eager, compile or neuron")
         _require(self.input_cache_bytes >= 0, "input_cache_bytes", self.input_cache_bytes, "must be >= 0")
+        if self.encoder_buckets is not None:
+            _require(bool(self.encoder_buckets) and min(self.encoder_buckets) > 0, "encoder_buckets",
+                     self.encoder_buckets, "must be positive token counts")
         for name in ("max_items_per_request", "max_message_bytes", "max_image_pixels",
                      "max_video_frames", "encode_workers", "encode_batch_tokens"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
@@ -224,10 +259,11 @@ class PrefillConfig:
     failure_policy: FailurePolicy = setting(
         FailurePolicy.FAIL, env="EPD_FAILURE_POLICY",
         help="fail: raise ECLoadFailure; retry: re-request the item once, then raise")
+    # In blocks of the encoder's layout (64 rows by default): 16,384 rows each way by default.
     landing_blocks: int = setting(
-        64, env="EPD_LANDING_BLOCKS", help="registered landing blocks for pulls")
+        256, env="EPD_LANDING_BLOCKS", help="registered landing blocks for pulls")
     local_cache_blocks: int = setting(
-        256, env="EPD_LOCAL_CACHE_BLOCKS", help="consumer-side cache of pulled items, in blocks")
+        1024, env="EPD_LOCAL_CACHE_BLOCKS", help="consumer-side cache of pulled items, in blocks")
     device: str = setting("cpu", env="EPD_DEVICE", help="torch device of the prefill graph")
     metrics_host: str = setting(
         "127.0.0.1", env="EPD_PREFILL_METRICS_HOST",
@@ -325,7 +361,8 @@ def _convert(info: SettingInfo, raw: str, source: str) -> Any:
                 raise ValueError(raw)
             return value
         if typing.get_origin(base) is tuple:
-            return tuple(part.strip() for part in raw.split(",") if part.strip())
+            parts = tuple(part.strip() for part in raw.split(",") if part.strip())
+            return tuple(int(part, 0) for part in parts) if typing.get_args(base)[0] is int else parts
         if isinstance(base, type) and issubclass(base, enum.Enum):
             return base(raw.strip().lower())
         return raw
@@ -345,7 +382,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             extra["choices"] = [m.value for m in base]
         parser.add_argument(
             info.flag, dest="_".join(info.path), default=None, metavar=None if extra else info.path[-1].upper(),
-            help=f"{info.help} [env {info.env}; default {default}]", **extra,
+            # argparse %-formats help strings: a literal "%" in a setting's help must be doubled.
+            help=f"{info.help} [env {info.env}; default {default}]".replace("%", "%%"), **extra,
         )
 
 

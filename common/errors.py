@@ -17,6 +17,7 @@ the gRPC status it maps to, so the servicer aborts with
     ├── NotFoundError             NOT_FOUND
     ├── ItemLostError             ABORTED            an item left the cache while its request ran: retry
     ├── ServiceDraining           UNAVAILABLE        encoder shutting down: use another
+    ├── ServiceWarmingUp          UNAVAILABLE        encoder still starting: use another, retry later
     ├── TransportError            UNAVAILABLE        NIXL / mock transport failure
     │   ├── TransportUnavailable  FAILED_PRECONDITION no NIXL package installed
     │   ├── TransferTimeout       DEADLINE_EXCEEDED  our deadline passed; landing quarantined
@@ -111,6 +112,16 @@ class ItemLostError(EpdError):
 
 class ServiceDraining(EpdError):
     """The encoder is shutting down and takes no new work."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
+class ServiceWarmingUp(EpdError):
+    """The encoder answers health but is still starting (loading, registering, building graphs).
+
+    UNAVAILABLE like a draining encoder: a client moves on to the next encoder or retries
+    later; the message says how far the start-up is.
+    """
 
     grpc_code = grpc.StatusCode.UNAVAILABLE
 

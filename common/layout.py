@@ -73,6 +73,33 @@ def encoder_cache_size(max_num_batched_tokens: int, max_tokens_per_mm_item: int)
     return max(max_num_batched_tokens, max_tokens_per_mm_item)
 
 
+# Rows per block when none is configured (auto_block_size). An item takes whole blocks, so its last block is
+# half padding on average: the fewer rows per block, the less of the cache is padding. On the mixed image
+# workload of bench/layout.py (10,000 images of 64..510 tokens) 64 rows waste 6.9 % and 128 rows 9.0 %, so 64
+# is the most rows that keeps padding at or below 8 %. Rows wider than 16 KiB get fewer rows, down to blocks
+# of about 1 MiB: less padding (32 rows: 3.7 %) for a few percent of pull time, as a pull pays per block
+# (BENCHMARKS.md, "Cache layout"). Never fewer than 16 rows: that bounds the blocks of a 512-token item, so
+# the descriptors of its pull and the allocator's work, at 32.
+AUTO_BLOCK_BYTES = 1 << 20
+AUTO_BLOCK_MAX_ROWS = 64
+AUTO_BLOCK_MIN_ROWS = 16
+
+
+def auto_block_size(row_bytes: int) -> int:
+    """Default rows per block for rows of ``row_bytes`` (``fat_dim`` times the dtype's size).
+
+    The largest power of two from ``AUTO_BLOCK_MIN_ROWS`` to ``AUTO_BLOCK_MAX_ROWS`` whose block holds at
+    most ``AUTO_BLOCK_BYTES``, or the floor when even that is larger: 64 rows up to 16 KiB rows (the tiny
+    model's 384-byte rows included), 32 up to 32 KiB, 16 beyond.
+    """
+    if row_bytes <= 0:
+        raise ConfigError(f"row_bytes must be > 0, got {row_bytes}")
+    rows = AUTO_BLOCK_MAX_ROWS
+    while rows > AUTO_BLOCK_MIN_ROWS and rows * row_bytes > AUTO_BLOCK_BYTES:
+        rows //= 2
+    return rows
+
+
 def auto_num_blocks(cache_size_tokens: int, block_size: int) -> int:
     """``ceil(cache_size / block_size) + 1``: the +1 is the scratch block."""
     if cache_size_tokens <= 0 or block_size <= 0:

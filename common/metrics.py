@@ -69,6 +69,8 @@ EPD_ENCODE_LATENCY = "epd_encoder_encode_latency_seconds"
 EPD_LEASES_ACTIVE = "epd_encoder_leases_active"
 EPD_LEASES_EXPIRED = "epd_encoder_leases_expired"
 EPD_LEASES_DROPPED = "epd_encoder_leases_dropped"
+EPD_WARMUP_BUCKETS = "epd_encoder_warmup_buckets"
+EPD_WARMUP_BUCKETS_READY = "epd_encoder_warmup_buckets_ready"
 
 _PULL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -134,6 +136,13 @@ class EncoderMetrics(InputProcessorMetrics):
         self.leases_dropped = Counter(
             EPD_LEASES_DROPPED, "Leases of answers that could not reach their caller (deadline passed, "
             "call cancelled), given back at once", registry=r)
+        # Start-up progress: /metrics is up while the bucket graphs are still being built.
+        self.warmup_buckets = Gauge(
+            EPD_WARMUP_BUCKETS, "Bucket graphs the encoder builds before it is ready",
+            registry=r, multiprocess_mode="sum")
+        self.warmup_buckets_ready = Gauge(
+            EPD_WARMUP_BUCKETS_READY, "Bucket graphs built so far; equal to epd_encoder_warmup_buckets once ready",
+            registry=r, multiprocess_mode="sum")
 
     def set_occupancy(self, active: int, free: int, held: int, active_real_tokens: int) -> None:
         """Snapshot the allocator once per step, after the allocate and evict batches."""

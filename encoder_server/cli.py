@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 
 from common.config import EncoderServerConfig, add_arguments, build
 from common.errors import ConfigError, EpdError
@@ -28,33 +30,62 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ready-file", default=None, metavar="PATH",
         help="write {'port', 'metrics_port', 'health_port', 'incarnation_id', 'transport', 'pid'} "
-             "as JSON here once SERVING "
+             "as JSON here once ready (readiness SERVING, every bucket graph built) "
              "(for scripts that start the encoder on port 0)")
+    parser.add_argument(
+        "--listening-file", default=None, metavar="PATH",
+        help="write {'port', 'metrics_port', 'health_port', 'pid'} as JSON here as soon as the ports are "
+             "bound, before the warm-up (health answers, liveness SERVING, not ready yet)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
 
 
-async def _serve(config: EncoderServerConfig, ready_file: str | None) -> int:
-    from encoder_server.server import EncoderServer  # heavy imports only once the flags parsed
+def _write_json(path: str, payload: Mapping[str, object]) -> None:
+    """Write ``payload`` so that a reader polling for ``path`` never sees half of it."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
+async def _serve(config: EncoderServerConfig, ready_file: str | None, listening_file: str | None) -> int:
+    """Listen, warm up, serve until SIGTERM/SIGINT, drain.
+
+    A signal during the warm-up (minutes with compiled graphs) stops the process after the
+    bucket being built instead of after all of them.
+    """
+    from encoder_server.server import EncoderServer, WarmupAbandoned  # heavy imports only once the flags parsed
 
     server = EncoderServer(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    stopping = asyncio.create_task(stop.wait(), name="epd-stop-signal")
     try:
-        await server.start()
+        await server.listen()
+        ports = {"port": server.port, "metrics_port": server.metrics_port, "health_port": server.health_port,
+                 "pid": os.getpid()}
+        if listening_file:
+            _write_json(listening_file, ports)
+        warming = asyncio.create_task(server.warm_up(), name="epd-warm-up")
+        await asyncio.wait((warming, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not warming.done():
+            # The bucket being built finishes first (bounded by one compile), then the cache goes.
+            logger.info("signal received during the warm-up (%s): stopping", server.gate.progress)
+            server.abandon_warm_up()
+            with contextlib.suppress(WarmupAbandoned):
+                await warming
+        else:
+            warming.result()
     except BaseException:
         await server.stop()
         raise
-    if ready_file:
-        tmp = f"{ready_file}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"port": server.port, "metrics_port": server.metrics_port,
-                       "health_port": server.health_port,
-                       "incarnation_id": server.incarnation_id,
-                       "transport": server.transport_kind.value, "pid": os.getpid()}, f)
-        os.replace(tmp, ready_file)
+    finally:
+        stopping.cancel()
+    if not stop.is_set() and ready_file:
+        _write_json(ready_file, {**ports, "incarnation_id": server.incarnation_id,
+                                 "transport": server.transport_kind.value})
     await stop.wait()
     logger.info("signal received: draining (grace %.1f s)", config.drain_grace_s)
     await server.drain_and_stop()
@@ -71,7 +102,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     try:
-        return asyncio.run(_serve(config, args.ready_file))
+        return asyncio.run(_serve(config, args.ready_file, args.listening_file))
     except EpdError as exc:
         print(f"epd encoder: {exc}", file=sys.stderr)
         return 2

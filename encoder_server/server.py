@@ -1,13 +1,23 @@
 """Assembly of the encoder process: transport, cache, encoder, gRPC, health, /metrics, drain.
 
-Start-up order matters and is the readiness contract:
+Start-up order matters and is the readiness contract. :meth:`EncoderServer.listen`
+comes first and takes seconds, because building the graphs can take minutes and a
+probe must see a live process meanwhile:
 
-1. the NIXL agent is created and the cache regions are allocated through it
-   (the mock needs them in shared memory) and registered **once**;
-2. the encoder is loaded and every bucket graph is built (warm-up writes land in the
-   scratch block only);
-3. the gRPC server binds; ``liveness`` is SERVING from here on;
-4. the overall status, ``readiness`` and the service name become SERVING.
+1. the gRPC server binds (health, reflection, and the cache service behind its
+   gate, which refuses every call UNAVAILABLE "warming up"), with the probe port
+   and /metrics; ``liveness`` is SERVING from here on, everything else NOT_SERVING.
+
+Then :meth:`EncoderServer.warm_up`:
+
+2. the encoder is loaded; the NIXL agent is created and the cache regions are
+   allocated through it (the mock needs them in shared memory) and registered
+   **once**;
+3. every bucket graph is built (warm-up writes land in the scratch block only),
+   one log line and one ``epd_encoder_warmup_buckets_ready`` step per bucket;
+4. the engine starts, the gate opens (the first handshake, and so the agent
+   metadata snapshot, comes after the registration), and the overall status,
+   ``readiness`` and the service name become SERVING.
 
 On SIGTERM: every status goes NOT_SERVING (``enter_graceful_shutdown``),
 new Encode/Lookup calls are refused with UNAVAILABLE, in-flight calls finish,
@@ -19,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,15 +44,20 @@ from prometheus_client import start_http_server
 
 from common.config import LIVENESS_SERVICE, READINESS_SERVICE, EncoderServerConfig
 from common.errors import ConfigError
-from common.layout import CacheLayout
 from common.metrics import EncoderMetrics
-from common.transport import ProducerTransport, decode_release_notification, resolve_transport_kind
 from common.wire import SERVICE_NAME, pb2
-from encoder_server.cache_blocks import EncoderCacheBlocks
-from encoder_server.engine import EncoderEngine
-from encoder_server.preprocess import PreprocessConfig, Preprocessor
-from encoder_server.service import EncoderCacheServicer, add_to_server, params_to_proto
-from encoder_server.vision import EncoderRunner, load_encoder
+from encoder_server.compile_cache import use_compile_cache
+from encoder_server.gate import CacheServiceGate, add_to_server
+
+# What needs torch (seconds to import) is imported by warm_up, off the event loop and once
+# the port is up; a unit test checks that listening imports no torch. torch._dynamo is the
+# compile backend's: its first use would import it on the event loop.
+_WARM_UP_MODULES = ("common.transport", "encoder_server.service", "encoder_server.vision", "torch._dynamo")
+if TYPE_CHECKING:
+    from common.transport import ProducerTransport
+    from encoder_server.cache_blocks import EncoderCacheBlocks
+    from encoder_server.engine import EncoderEngine
+    from encoder_server.service import EncoderCacheServicer
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +99,13 @@ def _read(path: str) -> bytes:
         raise ConfigError(f"cannot read TLS file {path!r}: {exc}") from exc
 
 
+class WarmupAbandoned(Exception):
+    """The warm-up stopped because the process is shutting down (:meth:`EncoderServer.abandon_warm_up`)."""
+
+
 class EncoderServer:
-    """One encoder process's worth of state; ``await start()``, then ``await wait()``."""
+    """One encoder process's worth of state; ``await start()`` (or ``listen()`` then ``warm_up()``),
+    then ``await wait()``."""
 
     def __init__(self, config: EncoderServerConfig) -> None:
         self.config = config
@@ -94,48 +116,94 @@ class EncoderServer:
         self.metrics_port = -1
         self.health_port = -1
         self._probe_server: grpc.aio.Server | None = None
-        self.transport_kind = resolve_transport_kind(config.transport)
+        self.transport_kind = config.transport  # resolved (auto -> nixl or mock) by warm_up
         self._server: grpc.aio.Server | None = None
         self._httpd: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
-        self._preprocess_config: PreprocessConfig | None = None
+        self._preprocess_proto: pb2.PreprocessParams | None = None
         self.engine: EncoderEngine | None = None
         self.servicer: EncoderCacheServicer | None = None
         self.transport: ProducerTransport | None = None
         self.cache: EncoderCacheBlocks | None = None
+        self.gate = CacheServiceGate(self.metrics)
+        self._abandon = threading.Event()
 
     # --- start ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """:meth:`listen`, then :meth:`warm_up`: returns once the encoder is ready."""
+        await self.listen()
+        await self.warm_up()
+
+    async def listen(self) -> None:
+        """Bind gRPC, the probe port and /metrics; ``liveness`` SERVING, the rest NOT_SERVING (seconds)."""
         cfg = self.config
+        if cfg.compile_cache_dir is not None:  # before anything compiles, and a bad path fails at once
+            use_compile_cache(cfg.compile_cache_dir)
         for name in ("", LIVENESS_SERVICE, READINESS_SERVICE, SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._start_grpc()
+        if cfg.metrics_port >= 0:
+            self._httpd, _ = start_http_server(
+                cfg.metrics_port, addr=cfg.host, registry=self.metrics.scrape_view)
+            self.metrics_port = self._httpd.server_port
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("encoder listening on gRPC %s:%d (health port %d, metrics port %d); warming up, not ready",
+                    cfg.host, self.port, self.health_port, self.metrics_port)
+
+    async def warm_up(self) -> None:
+        """Load the encoder, register the cache, build every bucket graph, start the engine; then ready.
+
+        Until it returns, cache RPCs are refused as warming up (the gate says which step).
+        :meth:`abandon_warm_up` stops it at the next step or bucket with :class:`WarmupAbandoned`.
+        """
+        cfg = self.config
+        started = time.monotonic()
+        self._step("loading the encoder")
+        # Every slow step runs off the event loop, which keeps answering health meanwhile;
+        # importing torch and what needs it is the first (the imports below then find them loaded).
+        for module in _WARM_UP_MODULES:
+            await asyncio.to_thread(importlib.import_module, module)
+        from common.transport import ProducerTransport, resolve_transport_kind
+        from encoder_server.cache_blocks import EncoderCacheBlocks
+        from encoder_server.engine import EncoderEngine
+        from encoder_server.preprocess import PreprocessConfig, Preprocessor
+        from encoder_server.service import EncoderCacheServicer, params_to_proto
+        from encoder_server.vision import EncoderRunner, load_encoder
 
         encoder = await asyncio.to_thread(load_encoder, cfg.weights, device=cfg.device)
         vision = encoder.config
-        layout: CacheLayout = cfg.cache.layout(vision.out_hidden_size, vision.num_deepstack_levels)
+        layout = cfg.cache.layout(vision.out_hidden_size, vision.num_deepstack_levels)
         preprocess_config = PreprocessConfig.for_encoder(
             encoder, weights_dir=cfg.weights,
             max_image_pixels=cfg.max_image_pixels, max_video_frames=cfg.max_video_frames)
 
-        self.transport = ProducerTransport(self.transport_kind)
+        self._step("registering the cache")
+        self.transport_kind = await asyncio.to_thread(resolve_transport_kind, cfg.transport)
+        self.transport = await asyncio.to_thread(ProducerTransport, self.transport_kind)
         self.incarnation_id = self.transport.incarnation_id  # one id names agent and process
         # Allocate through the transport (shared memory for the mock), register once,
         # and only then take the agent metadata: it is a snapshot.
-        self.cache = EncoderCacheBlocks(
-            layout, cfg.cache.effective_min_hold_ms, lease_ttl_ms=cfg.cache.lease_ttl_ms,
+        self.cache = await asyncio.to_thread(
+            EncoderCacheBlocks, layout, cfg.cache.effective_min_hold_ms, lease_ttl_ms=cfg.cache.lease_ttl_ms,
             device=cfg.device, allocator=self.transport.allocator)
         await asyncio.to_thread(
             self.transport.register, self.cache.buffer, self.cache.stamps)
 
-        runner = EncoderRunner(encoder, block_size=layout.block_size, backend=cfg.encoder_backend)
+        runner = EncoderRunner(encoder, block_size=layout.block_size, buckets=cfg.encoder_buckets,
+                               backend=cfg.encoder_backend)
         preprocessor = Preprocessor(preprocess_config)
-        self._preprocess_config = preprocess_config
+        self._preprocess_proto = params_to_proto(preprocess_config.params(), preprocess_config.fingerprint())
+        total = len(runner.buckets)
+        self.metrics.warmup_buckets.set(total)
+        self.metrics.warmup_buckets_ready.set(0)
+        self._step(f"0/{total} bucket graphs ready")
         # Build every bucket's graph now (writes land in the scratch block only), so no
         # request pays for a compile and readiness means "fast".
-        await asyncio.to_thread(runner.warmup, self.cache.buffer, layout.scratch_block_id)
+        await asyncio.to_thread(runner.warmup, self.cache.buffer, layout.scratch_block_id, self._bucket_ready)
 
+        self._step("starting the engine")
         self.engine = EncoderEngine(
             cache=self.cache, preprocessor=preprocessor, runner=runner, metrics=self.metrics,
             model_id=cfg.model_id, preprocess_fingerprint=preprocess_config.fingerprint(),
@@ -147,22 +215,34 @@ class EncoderServer:
             incarnation_id=self.incarnation_id, handshake_extra=self._handshake_extra,
             min_hold_ms=cfg.cache.effective_min_hold_ms, lease_ttl_ms=cfg.cache.lease_ttl_ms,
             max_items=cfg.max_items_per_request, max_video_frames=cfg.max_video_frames)
-
-        await self._start_grpc()
-        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        if cfg.metrics_port >= 0:
-            self._httpd, _ = start_http_server(
-                cfg.metrics_port, addr=cfg.host, registry=self.metrics.scrape_view)
-            self.metrics_port = self._httpd.server_port
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="epd-housekeeping"))
+        self.gate.open(self.servicer)
         for name in ("", READINESS_SERVICE, SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
-            "encoder %s serving model %r: layout %s blocks x %s rows x %s (%s), buffer %.1f MiB, "
-            "min hold %d ms, transport %s, gRPC %s:%d, metrics port %d",
-            self.incarnation_id[:8], cfg.model_id, layout.num_blocks, layout.block_size, layout.fat_dim,
-            cfg.cache.dtype, layout.buffer_bytes / 2**20, cfg.cache.effective_min_hold_ms,
-            self.transport_kind.value, cfg.host, self.port, self.metrics_port)
+            "encoder %s serving model %r after a %.1f s warm-up: layout %s blocks x %s rows x %s (%s), "
+            "buffer %.1f MiB, min hold %d ms, transport %s, gRPC %s:%d, metrics port %d",
+            self.incarnation_id[:8], cfg.model_id, time.monotonic() - started, layout.num_blocks,
+            layout.block_size, layout.fat_dim, cfg.cache.dtype, layout.buffer_bytes / 2**20,
+            cfg.cache.effective_min_hold_ms, self.transport_kind.value, cfg.host, self.port, self.metrics_port)
+
+    def abandon_warm_up(self) -> None:
+        """Make a running :meth:`warm_up` stop at its next step or bucket (shutdown during start-up).
+
+        The bucket being built finishes first: its thread cannot be interrupted, and the
+        cache it writes must outlive it.
+        """
+        self._abandon.set()
+
+    def _step(self, progress: str) -> None:
+        if self._abandon.is_set():
+            raise WarmupAbandoned(f"warm-up abandoned at: {self.gate.progress}")
+        self.gate.progress = progress
+
+    def _bucket_ready(self, ready: int, total: int) -> None:
+        """Called on the warm-up thread after each bucket graph is built (the refusals' text, then the gauge)."""
+        self._step(f"{ready}/{total} bucket graphs ready")
+        self.metrics.warmup_buckets_ready.set(ready)
 
     async def _start_grpc(self) -> None:
         cfg = self.config
@@ -173,8 +253,7 @@ class EncoderServer:
             ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        assert self.servicer is not None
-        add_to_server(self.servicer, server)  # malformed request bytes -> INVALID_ARGUMENT
+        add_to_server(self.gate, server)  # malformed request bytes -> INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -200,15 +279,14 @@ class EncoderServer:
             self._probe_server = probe_server
 
     def _handshake_extra(self) -> pb2.HandshakeResponse:
-        assert self.transport is not None
-        pp = self._preprocess_config
-        assert pp is not None
-        return self.transport.fill_handshake(
-            pb2.HandshakeResponse(preprocess=params_to_proto(pp.params(), pp.fingerprint())))
+        assert self.transport is not None and self._preprocess_proto is not None
+        return self.transport.fill_handshake(pb2.HandshakeResponse(preprocess=self._preprocess_proto))
 
     # --- background --------------------------------------------------------------------------
 
     async def _housekeeping(self) -> None:
+        from common.transport import decode_release_notification
+
         assert self.engine is not None and self.transport is not None
         while True:
             try:

@@ -5,10 +5,9 @@ Every handler maps our errors to their gRPC status with one
 answered ``INTERNAL`` (never ``UNKNOWN``). Work that can block (hashing,
 decoding, the encoder graph, NIXL) runs off the event loop inside the engine.
 
-Requests are registered with :func:`add_to_server`, not the generated
-helper: its deserializers raise inside gRPC on bytes that are not a valid
-message, which the client sees as ``UNKNOWN``. Ours hand the handler a
-:class:`MalformedRequest` instead, answered ``INVALID_ARGUMENT``.
+Handlers are registered with gRPC by :mod:`encoder_server.gate`, before this
+servicer exists: bytes that are not a valid message reach a handler as a
+:class:`~encoder_server.gate.MalformedRequest`, answered ``INVALID_ARGUMENT``.
 """
 
 from __future__ import annotations
@@ -19,11 +18,9 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 
 from common.errors import (
     EpdError,
@@ -36,9 +33,10 @@ from common.errors import (
 from common.layout import CacheLayout, dtype_name
 from common.media import PreprocessParams
 from common.metrics import EncoderMetrics
-from common.wire import PROTOCOL_VERSION, SERVICE_NAME, pb2, pb2_grpc
-from encoder_server.encode_request import EncodeView, ItemView, parse_encode_request
+from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc
+from encoder_server.encode_request import EncodeView, ItemView
 from encoder_server.engine import EncoderEngine, Failed, Located, MediaInput
+from encoder_server.gate import Context, MalformedRequest, abort_call
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +54,6 @@ DTYPE_TO_PROTO = {
     "float32": pb2.D_TYPE_FLOAT32,
 }
 
-Context = grpc.aio.ServicerContext[Any, Any]
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
@@ -83,61 +80,6 @@ def params_to_proto(params: PreprocessParams, fingerprint: str) -> pb2.Preproces
         video_sample_fps=params.video_sample_fps or 0.0)
 
 
-@dataclass(frozen=True, slots=True)
-class MalformedRequest:
-    """What the deserializer hands a handler for bytes that are not a valid request message."""
-
-    message_type: str
-    detail: str
-
-
-def _tolerant(message: type[Message], parse: Callable[[bytes], object] | None = None
-              ) -> Callable[[bytes], object]:
-    def deserialize(data: bytes) -> object:
-        try:
-            return (parse or message.FromString)(data)
-        except DecodeError as exc:
-            return MalformedRequest(message.DESCRIPTOR.full_name, str(exc))
-
-    return deserialize
-
-
-def add_to_server(servicer: EncoderCacheServicer, server: grpc.aio.Server) -> None:
-    """Register the service like the generated helper does, with deserializers that never raise."""
-    signatures: dict[str, tuple[type[Message], type[Message]]] = {
-        "Handshake": (pb2.HandshakeRequest, pb2.HandshakeResponse),
-        "Encode": (pb2.EncodeRequest, pb2.EncodeResponse),
-        "Lookup": (pb2.LookupRequest, pb2.LookupResponse),
-        "Release": (pb2.ReleaseRequest, pb2.ReleaseResponse),
-    }
-    # Encode requests are read without copying their media (encode_request.py).
-    parsers: dict[str, Callable[[bytes], object]] = {"Encode": parse_encode_request}
-    handlers = {
-        name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, name), request_deserializer=_tolerant(request, parsers.get(name)),
-            response_serializer=response.SerializeToString)
-        for name, (request, response) in signatures.items()
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
-
-
-async def _abort(context: Context, code: grpc.StatusCode, message: str) -> None:
-    """``context.abort``, for a call whose caller may be gone.
-
-    When the caller's deadline passed or it cancelled, gRPC has ended the call
-    already and sending a status fails inside gRPC (which logs a traceback for
-    what is an ordinary outcome): end the handler as cancelled instead.
-    """
-    try:
-        await context.abort(code, message)
-    except grpc.aio.AbortError:
-        raise
-    except Exception:  # noqa: BLE001 - gRPC's failed send has no public type
-        logger.debug("call ended before its %s status could be sent: %s", code.name, message)
-        raise asyncio.CancelledError from None
-
-
 def _rpc(method: str) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[..., Awaitable[Resp]]]:
     """Count the call and turn errors into statuses."""
 
@@ -152,17 +94,17 @@ def _rpc(method: str) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[...
                 return await fn(self, request, context)
             except EpdError as err:
                 code = err.grpc_code
-                await _abort(context, code, str(err))
+                await abort_call(context, code, str(err))
             except asyncio.TimeoutError:
                 code = grpc.StatusCode.DEADLINE_EXCEEDED
-                await _abort(context, code, f"{method} did not finish within the call's deadline")
+                await abort_call(context, code, f"{method} did not finish within the call's deadline")
             except asyncio.CancelledError:
                 code = grpc.StatusCode.CANCELLED
                 raise
             except Exception:
                 code = grpc.StatusCode.INTERNAL
                 logger.exception("%s failed", method)
-                await _abort(context, code, f"{method} failed inside the encoder; see its log")
+                await abort_call(context, code, f"{method} failed inside the encoder; see its log")
             finally:
                 self.metrics.requests.labels(method=method, code=code.name).inc()
             raise AssertionError("unreachable")  # context.abort always raises

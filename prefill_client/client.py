@@ -129,8 +129,8 @@ class EncoderCacheClient:
         rpc_timeout_s: float = 10.0,
         pull_timeout_s: float = 2.0,
         failure_policy: FailurePolicy | str = FailurePolicy.FAIL,
-        landing_blocks: int = 64,
-        local_cache_blocks: int = 256,
+        landing_blocks: int = 256,
+        local_cache_blocks: int = 1024,
         metrics: PrefillMetrics | None = None,
         tls: TlsConfig | None = None,
     ) -> None:

@@ -63,7 +63,7 @@ class ConsumerTransport:
         self,
         kind: TransportKind | str = TransportKind.AUTO,
         *,
-        num_landing_blocks: int = 64,
+        num_landing_blocks: int = 256,
         landing_shape: LandingShape | None = None,
         num_tag_slots: int | None = None,
         device: str | torch.device = "cpu",

@@ -50,7 +50,11 @@ class EncoderProcess:
 
 def start_encoder(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
                   name: str = "encoder") -> EncoderProcess:
-    """Start ``epd encoder`` on 127.0.0.1, port 0, and wait until it is SERVING."""
+    """Start ``epd encoder`` on 127.0.0.1, port 0, and wait until it is ready.
+
+    The ready file is written once readiness is SERVING (every bucket graph built), not when
+    the port starts answering health: the cache service refuses calls until then.
+    """
     ready = tmp_path / f"{name}.ready.json"
     log_path = tmp_path / f"{name}.log"
     if ready.exists():

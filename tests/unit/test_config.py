@@ -55,6 +55,8 @@ def test_types_enums_and_lists() -> None:
         ({"EPD_PORT": "eighty"}, "EPD_PORT"),
         ({"EPD_PORT": "70000"}, "port"),
         ({"EPD_BLOCK_SIZE": "0"}, "block_size"),
+        ({"EPD_BLOCK_SIZE": "-64"}, "block_size must be > 0, got -64"),
+        ({"EPD_BLOCK_SIZE": "wide"}, "EPD_BLOCK_SIZE"),
         ({"EPD_CACHE_BLOCKS": "1"}, "num_blocks"),
         ({"EPD_CACHE_DTYPE": "int8"}, "int8"),
         ({"EPD_TRANSPORT": "carrier-pigeon"}, "EPD_TRANSPORT"),
@@ -74,6 +76,29 @@ def test_layout_sizing_precedence() -> None:
     assert CacheConfig(block_size=16, num_blocks=3, cache_bytes=10**9).layout(64, 1).num_blocks == 3
     with pytest.raises(ConfigError, match="cache_bytes"):
         CacheConfig(block_size=16, cache_bytes=100).layout(64, 1)
+
+
+def test_block_size_default_comes_from_the_row_width() -> None:
+    cfg = build(EncoderServerConfig, None, {})
+    assert cfg.cache.block_size is None
+    assert cfg.cache.layout(64, 2).block_size == 64  # the tiny model: 384-byte rows
+    assert cfg.cache.layout(4096, 3).block_size == 32  # 32 KiB rows: 1 MiB blocks
+    assert CacheConfig(dtype="float32").layout(4096, 3).block_size == 16  # 64 KiB rows: the floor
+    # An empty variable means "not set": the automatic default.
+    assert build(EncoderServerConfig, None, {"EPD_BLOCK_SIZE": ""}).cache.layout(4096, 3).block_size == 32
+
+
+def test_explicit_block_size_is_honoured() -> None:
+    assert CacheConfig(block_size=256).layout(64, 2).block_size == 256
+    assert build(EncoderServerConfig, None, {"EPD_BLOCK_SIZE": "256"}).cache.layout(4096, 3).block_size == 256
+    args = _parse(EncoderServerConfig, ["--block-size", "24"])
+    assert build(EncoderServerConfig, args, {"EPD_BLOCK_SIZE": "256"}).cache.layout(64, 2).block_size == 24
+
+
+def test_block_counts_use_the_resolved_block_size() -> None:
+    assert CacheConfig(cache_tokens=1000).layout(64, 2).num_blocks == 17  # ceil(1000 / 64) + 1
+    assert CacheConfig(cache_tokens=1000).layout(4096, 3).num_blocks == 33  # ceil(1000 / 32) + 1
+    assert CacheConfig(cache_bytes=10 * 64 * 384).layout(64, 2).num_blocks == 10
 
 
 def test_frozen() -> None:

@@ -19,6 +19,7 @@ EXPECTED = {
     errors.NotFoundError: grpc.StatusCode.NOT_FOUND,
     errors.ItemLostError: grpc.StatusCode.ABORTED,
     errors.ServiceDraining: grpc.StatusCode.UNAVAILABLE,
+    errors.ServiceWarmingUp: grpc.StatusCode.UNAVAILABLE,
     errors.TransportError: grpc.StatusCode.UNAVAILABLE,
     errors.TransportUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
     errors.TransferTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,

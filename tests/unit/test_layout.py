@@ -5,7 +5,11 @@ import torch
 
 from common.errors import ConfigError
 from common.layout import (
+    AUTO_BLOCK_BYTES,
+    AUTO_BLOCK_MAX_ROWS,
+    AUTO_BLOCK_MIN_ROWS,
     CacheLayout,
+    auto_block_size,
     auto_num_blocks,
     cache_block_size,
     compute_fat_dim,
@@ -33,6 +37,38 @@ def test_auto_sizing_rule() -> None:
     assert layout.num_blocks == 33
     assert layout.scratch_block_id == 32
     assert layout.num_usable_blocks == 32
+
+
+@pytest.mark.parametrize(
+    "row_bytes, rows",
+    [
+        (1, 64),
+        (64 * 3 * 2, 64),  # the tiny model: 64 wide, 2 deepstack levels, bf16
+        (2048 * 4 * 2, 64),  # 16 KiB rows: 64 rows make exactly 1 MiB
+        (2048 * 4 * 2 + 2, 32),  # one element more and 64 rows pass 1 MiB
+        (4096 * 4 * 2, 32),
+        (5120 * 4 * 2, 16),  # 40 KiB rows: 16 rows = 640 KiB, 32 would pass 1 MiB
+        (5120 * 4 * 4, 16),  # float32: even 16 rows pass 1 MiB; the floor holds
+        (1 << 20, 16),
+    ],
+)
+def test_auto_block_size_from_row_bytes(row_bytes: int, rows: int) -> None:
+    assert auto_block_size(row_bytes) == rows
+
+
+def test_auto_block_size_is_a_bounded_power_of_two_within_the_byte_target() -> None:
+    for row_bytes in range(2, 200_000, 998):
+        rows = auto_block_size(row_bytes)
+        assert AUTO_BLOCK_MIN_ROWS <= rows <= AUTO_BLOCK_MAX_ROWS and rows & (rows - 1) == 0
+        assert rows * row_bytes <= AUTO_BLOCK_BYTES or rows == AUTO_BLOCK_MIN_ROWS
+        # the largest such: twice the rows would pass the byte target or the cap
+        assert 2 * rows > AUTO_BLOCK_MAX_ROWS or 2 * rows * row_bytes > AUTO_BLOCK_BYTES
+
+
+@pytest.mark.parametrize("row_bytes", [0, -384])
+def test_auto_block_size_rejects_empty_rows_naming_the_value(row_bytes: int) -> None:
+    with pytest.raises(ConfigError, match=f"row_bytes must be > 0, got {row_bytes}"):
+        auto_block_size(row_bytes)
 
 
 def test_bytes_per_block_by_dtype() -> None:
