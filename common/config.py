@@ -187,6 +187,11 @@ class EncoderServerConfig:
         "auto", env="EPD_ENCODER_BACKEND",
         help="encoder graph backend: eager, compile (torch.compile, every bucket compiled at start-up), "
              "neuron, or auto (compile, measured faster than eager on CPU)")
+    attention_kernel: str = setting(
+        "auto", env="EPD_ATTENTION_KERNEL",
+        help="attention of the encoder tower: auto (the native CPU kernel on AVX-512 CPUs in float32, built "
+             "once and cached, torch SDPA elsewhere or when it cannot be built), native (that kernel or fail "
+             "at start-up), sdpa (torch SDPA always)")
     encoder_buckets: tuple[int, ...] | None = setting(
         None, env="EPD_ENCODER_BUCKETS",
         help="sizes in merged tokens of the static-shape encoder graphs, comma separated; each is built "
@@ -227,6 +232,8 @@ class EncoderServerConfig:
         _require(-1 <= self.health_port < 65536, "health_port", self.health_port, "must be in -1..65535")
         _require(self.encoder_backend in ("auto", "eager", "compile", "neuron"), "encoder_backend",
                  self.encoder_backend, "must be auto, eager, compile or neuron")
+        _require(self.attention_kernel in ("auto", "native", "sdpa"), "attention_kernel",
+                 self.attention_kernel, "must be auto, native or sdpa")
         _require(self.input_cache_bytes >= 0, "input_cache_bytes", self.input_cache_bytes, "must be >= 0")
         if self.encoder_buckets is not None:
             _require(bool(self.encoder_buckets) and min(self.encoder_buckets) > 0, "encoder_buckets",

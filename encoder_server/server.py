@@ -170,7 +170,7 @@ class EncoderServer:
         from encoder_server.engine import EncoderEngine
         from encoder_server.preprocess import PreprocessConfig, Preprocessor
         from encoder_server.service import EncoderCacheServicer, params_to_proto
-        from encoder_server.vision import EncoderRunner, load_encoder
+        from encoder_server.vision import EncoderRunner, load_encoder, native
 
         encoder = await asyncio.to_thread(load_encoder, cfg.weights, device=cfg.device)
         vision = encoder.config
@@ -191,6 +191,12 @@ class EncoderServer:
         await asyncio.to_thread(
             self.transport.register, self.cache.buffer, self.cache.stamps)
 
+        # The attention kernel before the graphs: a first build takes about a minute, and
+        # with --attention-kernel native a failure ends the start here.
+        self._step("preparing the attention kernel")
+        native.configure(cfg.attention_kernel, cfg.compile_cache_dir)
+        await asyncio.to_thread(native.prepare)
+        logger.info("encoder attention: %s", native.describe(vision.head_dim, cfg.device, encoder.dtype))
         runner = EncoderRunner(encoder, block_size=layout.block_size, buckets=cfg.encoder_buckets,
                                backend=cfg.encoder_backend)
         preprocessor = Preprocessor(preprocess_config)

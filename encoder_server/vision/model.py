@@ -11,8 +11,9 @@ neighbours of one frame. Two ways to run many frames at once:
 
 * :meth:`VisionEncoder.forward_frames` (the fast path: :meth:`embed`, and the
   eager and compiled serving graphs): frames lie back to back in one flat
-  sequence of patches and each attends to itself only (:func:`frame_attention`,
-  one unmasked SDPA call per run of equal-length frames). Attention costs the
+  sequence of patches and each attends to itself only (:func:`frame_attention`:
+  a native kernel on AVX-512 CPUs, else one unmasked SDPA call per run of
+  equal-length frames). Attention costs the
   sum of each frame's square, and every other layer runs on rows, so the rows
   of a batch pay for nothing but themselves (and the bucket's tail padding).
 * :meth:`VisionEncoder.forward_blocks` (the Neuron graph, where every shape
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from encoder_server.vision import native
 from encoder_server.vision.config import VisionConfig
 from encoder_server.vision.positions import frame_tables
 
@@ -109,10 +111,22 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame_len
 
     ``frame_lengths`` (int64, on the host) lists the frames' row counts in
     order, from row 0, padded with zeros to a static length; rows after the
-    last frame are padding and come out as zeros. Runs of equal-length frames
-    share one SDPA call without a mask, so every frame gets the backend's fast
-    kernel and no work crosses frames. A custom op: compiled graphs keep static
-    shapes and call it as one opaque step, whatever the frames in a launch.
+    last frame are padding and come out as zeros. No work crosses frames. On
+    an AVX-512 CPU in float32 the native kernel computes it (:mod:`.native`),
+    elsewhere :func:`sdpa_frame_attention`. A custom op: compiled graphs keep
+    static shapes and call it as one opaque step, whatever the frames in a launch.
+    """
+    kernel = native.kernel_for(q)
+    if kernel is not None:
+        out: torch.Tensor = kernel.frame_attention(q, k, v, frame_lengths)
+        return out
+    return sdpa_frame_attention(q, k, v, frame_lengths)
+
+
+def sdpa_frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame_lengths: torch.Tensor) -> torch.Tensor:
+    """:func:`frame_attention` with torch's SDPA: one unmasked call per run of equal-length frames.
+
+    Every frame gets the backend's fast kernel (flash attention on CUDA and CPU).
     """
     total, heads, head_dim = q.shape
     parts: list[torch.Tensor] = []

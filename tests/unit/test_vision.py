@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from safetensors.torch import save_file
 
 from common.errors import ConfigError
 from encoder_server.vision import VisionConfig, load_encoder
-from encoder_server.vision.model import frame_attention, frame_runs
+from encoder_server.vision.model import frame_attention, frame_runs, sdpa_frame_attention
 from encoder_server.vision.positions import frame_interpolation, frame_positions
 
 qwen3_vl = pytest.importorskip("transformers.models.qwen3_vl.modeling_qwen3_vl")
@@ -157,13 +158,14 @@ def test_frame_runs_group_equal_neighbours_and_stop_at_padding() -> None:
     assert frame_runs([0, 4]) == [] and frame_runs([]) == []
 
 
-def test_frame_attention_equals_a_dense_masked_reference() -> None:
+@pytest.mark.parametrize("attention", [frame_attention, sdpa_frame_attention], ids=["dispatch", "sdpa"])
+def test_frame_attention_equals_a_dense_masked_reference(attention: Any) -> None:
     generator = torch.Generator().manual_seed(3)
     lengths = [12, 12, 4, 12, 8]  # a run of two, then singles; 8 padding rows after them
     rows, heads, dim = sum(lengths) + 8, 2, 16
     q, k, v = (torch.randn(rows, heads, dim, generator=generator) for _ in range(3))
     frames = torch.tensor(lengths + [0, 0, 0], dtype=torch.int64)
-    out = frame_attention(q, k, v, frames)
+    out = attention(q, k, v, frames)
     segment = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((8,), -1)])
     mask = segment[:, None] == segment[None, :]
     dense = torch.nn.functional.scaled_dot_product_attention(
@@ -172,5 +174,5 @@ def test_frame_attention_equals_a_dense_masked_reference() -> None:
     torch.testing.assert_close(out[:real], dense[:real], atol=1e-5, rtol=1e-5)
     assert torch.equal(out[real:], torch.zeros(8, heads, dim))
     # one run covering every row: the same numbers, no padding
-    single = frame_attention(q[:24], k[:24], v[:24], torch.tensor([12, 12]))
+    single = attention(q[:24], k[:24], v[:24], torch.tensor([12, 12]))
     torch.testing.assert_close(single, dense[:24], atol=1e-5, rtol=1e-5)

@@ -1,0 +1,216 @@
+// Attention of each frame to itself over one flat sequence, float32 on AVX-512 CPUs (encoder process).
+//
+// The CPU counterpart of a variable-length attention kernel: q, k, v are [rows, heads, head_dim]
+// with frames lying back to back from row 0 (lengths given, zero-padded); rows after the last
+// frame are padding and come out as zeros. It computes exactly softmax(q k^T / sqrt(d)) v per
+// frame and head, the same math as torch's scaled_dot_product_attention, without a mask and
+// without ever touching another frame's keys.
+//
+// Why a kernel of our own: with a vision tower's small heads (head_dim 16..128) the work per
+// score is a handful of vector instructions, and torch's CPU flash kernel spends most of its
+// time around them (score blocks written and re-read through memory between its GEMM calls,
+// per-call set-up for every frame). Here a task is 16 query rows of one frame and head: their
+// scores for a tile of 256 keys stay in L1, the softmax runs online over the tiles, and the
+// running output stays in registers. Tasks are split between threads by their cost (keys x
+// rows), not their count, since one large frame costs as much as many small ones.
+//
+// Built on first use by encoder_server/vision/native/__init__.py (torch.utils.cpp_extension)
+// with -mavx512f; loaded only where the CPU reports AVX-512.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int kQueryRows = 16;   // rows of q per task
+constexpr int kKeyTile = 256;    // keys per online-softmax step
+constexpr int kScoreRows = 8;    // q rows sharing each key load in q.k
+
+// exp(x) for x <= 0 (scores minus their row maximum): 2^n * p(f), n = round(x / ln 2),
+// f = x - n ln 2 in two steps (Cody-Waite), p the Cephes expf polynomial (relative error ~1e-7).
+// x is clamped at -87, where exp is near the smallest normal float: far below, the reduction
+// would lose f and the polynomial could overflow.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One task: rows [0, qn) of q (row stride qs) of one frame and head, against the frame's L keys.
+// kt: keys transposed, [D, ks] (column 0 = the frame's first key); v: [L, D] contiguous.
+template <int NV>
+void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float* v, int64_t L, int qn,
+            float scale, float* out, int64_t os) {
+  constexpr int D = NV * 16;
+  // q rows per pass of p.v: PR * NV accumulators in registers; a power of two, so passes tile the 16 rows.
+  constexpr int PR = NV == 1 ? 16 : NV == 2 ? 8 : NV <= 4 ? 4 : 2;
+  alignas(64) float S[kQueryRows][kKeyTile];
+  alignas(64) float Q[kQueryRows][D];
+  __m512 O[kQueryRows][NV];
+  float m[kQueryRows], l[kQueryRows];
+  for (int i = 0; i < kQueryRows; ++i) {
+    for (int d = 0; d < D; ++d) Q[i][d] = i < qn ? q[i * qs + d] * scale : 0.f;
+    for (int c = 0; c < NV; ++c) O[i][c] = _mm512_setzero_ps();
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+  }
+  const int live_rows = (qn + kScoreRows - 1) / kScoreRows * kScoreRows;
+  for (int64_t j0 = 0; j0 < L; j0 += kKeyTile) {
+    const int kn = static_cast<int>(std::min<int64_t>(kKeyTile, L - j0));
+    const int nv = (kn + 15) / 16;
+    const __mmask16 tail = kn % 16 ? static_cast<__mmask16>((1u << (kn % 16)) - 1) : static_cast<__mmask16>(0xFFFF);
+    // scores S = q . k for kScoreRows rows x 16 keys at a time
+    for (int i0 = 0; i0 < live_rows; i0 += kScoreRows) {
+      for (int jv = 0; jv < nv; ++jv) {
+        const __mmask16 mask = jv == nv - 1 ? tail : static_cast<__mmask16>(0xFFFF);
+        const float* kcol = kt + j0 + jv * 16;
+        __m512 a[kScoreRows];
+        for (int r = 0; r < kScoreRows; ++r) a[r] = _mm512_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+          const __m512 kk = _mm512_maskz_loadu_ps(mask, kcol + d * ks);
+          for (int r = 0; r < kScoreRows; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(Q[i0 + r][d]), kk, a[r]);
+        }
+        for (int r = 0; r < kScoreRows; ++r) _mm512_store_ps(S[i0 + r] + jv * 16, a[r]);
+      }
+    }
+    // online softmax over this tile of keys
+    for (int i = 0; i < qn; ++i) {
+      float* s = S[i];
+      __m512 mx = _mm512_set1_ps(m[i]);
+      for (int jv = 0; jv < nv; ++jv) {
+        const __mmask16 mask = jv == nv - 1 ? tail : static_cast<__mmask16>(0xFFFF);
+        mx = _mm512_mask_max_ps(mx, mask, mx, _mm512_load_ps(s + jv * 16));
+      }
+      const float mnew = _mm512_reduce_max_ps(mx);
+      const __m512 mv = _mm512_set1_ps(mnew);
+      __m512 sum = _mm512_setzero_ps();
+      for (int jv = 0; jv < nv; ++jv) {
+        const __mmask16 mask = jv == nv - 1 ? tail : static_cast<__mmask16>(0xFFFF);
+        const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(_mm512_load_ps(s + jv * 16), mv)));
+        _mm512_store_ps(s + jv * 16, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      const float corr = std::exp(m[i] - mnew);
+      l[i] = l[i] * corr + _mm512_reduce_add_ps(sum);
+      m[i] = mnew;
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int c = 0; c < NV; ++c) O[i][c] = _mm512_mul_ps(O[i][c], cv);
+    }
+    // O += p . v, PR rows at a time, each key's row of v loaded once per pass
+    for (int i0 = 0; i0 < qn; i0 += PR) {
+      const int rows = std::min(PR, qn - i0);
+      __m512 acc[PR][NV];
+      for (int r = 0; r < PR; ++r)
+        for (int c = 0; c < NV; ++c) acc[r][c] = r < rows ? O[i0 + r][c] : _mm512_setzero_ps();
+      for (int j = 0; j < kn; ++j) {
+        const float* vr = v + (j0 + j) * D;
+        for (int c = 0; c < NV; ++c) {
+          const __m512 vv = _mm512_loadu_ps(vr + c * 16);
+          for (int r = 0; r < PR; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(S[i0 + r][j]), vv, acc[r][c]);
+        }
+      }
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < NV; ++c) O[i0 + r][c] = acc[r][c];
+    }
+  }
+  for (int i = 0; i < qn; ++i) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + i * os + c * 16, _mm512_mul_ps(O[i][c], inv));
+  }
+}
+
+using AttendFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, int, float, float*,
+                          int64_t);
+
+AttendFn attend_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return attend<1>;
+    case 32: return attend<2>;
+    case 48: return attend<3>;
+    case 64: return attend<4>;
+    case 80: return attend<5>;
+    case 96: return attend<6>;
+    case 128: return attend<8>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+bool supports(int64_t head_dim) { return attend_for(head_dim) != nullptr; }
+
+torch::Tensor frame_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lengths) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(), "q, k, v must be [rows, heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "float32 only");
+  TORCH_CHECK(q.device().is_cpu() && q.stride(2) == 1, "CPU tensors with a contiguous last dim");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const AttendFn fn = attend_for(dim);
+  TORCH_CHECK(fn != nullptr, "unsupported head_dim ", dim);
+  auto len = lengths.to(at::kLong).contiguous();
+  const int64_t* lp = len.data_ptr<int64_t>();
+  std::vector<int64_t> starts, sizes;
+  int64_t used = 0;
+  for (int64_t f = 0; f < len.numel() && lp[f] > 0; ++f) {
+    starts.push_back(used);
+    sizes.push_back(lp[f]);
+    used += lp[f];
+  }
+  TORCH_CHECK(used <= rows, "frame lengths add up to ", used, " rows, more than the ", rows, " given");
+  auto out = torch::empty({rows, heads, dim}, q.options());
+  if (used < rows) out.narrow(0, used, rows - used).zero_();
+  if (used == 0) return out;
+  // Per head: keys transposed [dim, used] and values [used, dim], contiguous.
+  const auto kt = k.narrow(0, 0, used).permute({1, 2, 0}).contiguous();
+  const auto vh = v.narrow(0, 0, used).permute({1, 0, 2}).contiguous();
+  struct Task { int64_t frame, head, first; };
+  std::vector<Task> tasks;
+  std::vector<int64_t> cost{0};  // prefix sums of each task's key count: threads get equal shares of work
+  for (size_t f = 0; f < sizes.size(); ++f)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t r = 0; r < sizes[f]; r += kQueryRows) {
+        tasks.push_back({static_cast<int64_t>(f), h, r});
+        cost.push_back(cost.back() + sizes[f]);
+      }
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  const float* qp = q.data_ptr<float>();
+  const float* ktp = kt.data_ptr<float>();
+  const float* vp = vh.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t qrs = q.stride(0), qhs = q.stride(1);
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  auto share_start = [&](int64_t share) {
+    if (share >= shares) return static_cast<int64_t>(tasks.size());
+    return static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end(), cost.back() * share / shares) - cost.begin());
+  };
+  at::parallel_for(0, shares, 1, [&](int64_t sb, int64_t se) {
+    for (int64_t t = share_start(sb), end = share_start(se); t < end; ++t) {
+      const Task& task = tasks[t];
+      const int64_t start = starts[task.frame], size = sizes[task.frame];
+      const int qn = static_cast<int>(std::min<int64_t>(kQueryRows, size - task.first));
+      fn(qp + (start + task.first) * qrs + task.head * qhs, qrs, ktp + task.head * dim * used + start, used,
+         vp + (task.head * used + start) * dim, size, qn, scale, op + ((start + task.first) * heads + task.head) * dim,
+         heads * dim);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("frame_attention", &frame_attention);
+  m.def("supports", &supports);
+}
