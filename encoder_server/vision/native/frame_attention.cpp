@@ -30,23 +30,21 @@ constexpr int kQueryRows = 16;   // rows of q per task
 constexpr int kKeyTile = 256;    // keys per online-softmax step
 constexpr int kScoreRows = 8;    // q rows sharing each key load in q.k
 
-// exp(x) for x <= 0 (scores minus their row maximum): 2^n * p(f), n = round(x / ln 2),
-// f = x - n ln 2 in two steps (Cody-Waite), p the Cephes expf polynomial (relative error ~1e-7).
-// x is clamped at -87, where exp is near the smallest normal float: far below, the reduction
-// would lose f and the polynomial could overflow.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
+// 2^y for y <= 0. Scores are kept in base-2 units (q is pre-scaled by log2(e) / sqrt(d)), so
+// exp(x - max) is 2^(y - max): n = round(y), f = y - n in [-1/2, 1/2] exactly, 2^f by a degree-6
+// polynomial fitted for relative error (9e-8 in float32, about one ulp), then scaled by 2^n.
+// y is clamped at -126 (2^-126 is the smallest normal float), far below which weights are 0 anyway.
+inline __m512 exp2_512(__m512 y) {
+  y = _mm512_max_ps(y, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.53943314217031e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3388522202149034e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618211537599564e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550358444452286e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650718688965e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471824645996e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -73,7 +71,9 @@ void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float
     const int kn = static_cast<int>(std::min<int64_t>(kKeyTile, L - j0));
     const int nv = (kn + 15) / 16;
     const __mmask16 tail = kn % 16 ? static_cast<__mmask16>((1u << (kn % 16)) - 1) : static_cast<__mmask16>(0xFFFF);
-    // scores S = q . k for kScoreRows rows x 16 keys at a time
+    // scores S = q . k for kScoreRows rows x 16 keys at a time, and each row's maximum
+    __m512 rowmax[kQueryRows];
+    for (int i = 0; i < live_rows; ++i) rowmax[i] = _mm512_set1_ps(m[i]);
     for (int i0 = 0; i0 < live_rows; i0 += kScoreRows) {
       for (int jv = 0; jv < nv; ++jv) {
         const __mmask16 mask = jv == nv - 1 ? tail : static_cast<__mmask16>(0xFFFF);
@@ -84,27 +84,30 @@ void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float
           const __m512 kk = _mm512_maskz_loadu_ps(mask, kcol + d * ks);
           for (int r = 0; r < kScoreRows; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(Q[i0 + r][d]), kk, a[r]);
         }
-        for (int r = 0; r < kScoreRows; ++r) _mm512_store_ps(S[i0 + r] + jv * 16, a[r]);
+        for (int r = 0; r < kScoreRows; ++r) {
+          _mm512_store_ps(S[i0 + r] + jv * 16, a[r]);
+          rowmax[i0 + r] = _mm512_mask_max_ps(rowmax[i0 + r], mask, rowmax[i0 + r], a[r]);
+        }
       }
     }
-    // online softmax over this tile of keys
+    // online softmax over this tile of keys; lanes past the last key are zeroed
+    const int full = kn / 16;
     for (int i = 0; i < qn; ++i) {
       float* s = S[i];
-      __m512 mx = _mm512_set1_ps(m[i]);
-      for (int jv = 0; jv < nv; ++jv) {
-        const __mmask16 mask = jv == nv - 1 ? tail : static_cast<__mmask16>(0xFFFF);
-        mx = _mm512_mask_max_ps(mx, mask, mx, _mm512_load_ps(s + jv * 16));
-      }
-      const float mnew = _mm512_reduce_max_ps(mx);
+      const float mnew = _mm512_reduce_max_ps(rowmax[i]);
       const __m512 mv = _mm512_set1_ps(mnew);
       __m512 sum = _mm512_setzero_ps();
-      for (int jv = 0; jv < nv; ++jv) {
-        const __mmask16 mask = jv == nv - 1 ? tail : static_cast<__mmask16>(0xFFFF);
-        const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(_mm512_load_ps(s + jv * 16), mv)));
+      for (int jv = 0; jv < full; ++jv) {
+        const __m512 e = exp2_512(_mm512_sub_ps(_mm512_load_ps(s + jv * 16), mv));
         _mm512_store_ps(s + jv * 16, e);
         sum = _mm512_add_ps(sum, e);
       }
-      const float corr = std::exp(m[i] - mnew);
+      if (full < nv) {
+        const __m512 e = _mm512_maskz_mov_ps(tail, exp2_512(_mm512_sub_ps(_mm512_load_ps(s + full * 16), mv)));
+        _mm512_store_ps(s + full * 16, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      const float corr = std::exp2(m[i] - mnew);
       l[i] = l[i] * corr + _mm512_reduce_add_ps(sum);
       m[i] = mnew;
       const __m512 cv = _mm512_set1_ps(corr);
@@ -186,7 +189,7 @@ torch::Tensor frame_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
         tasks.push_back({static_cast<int64_t>(f), h, r});
         cost.push_back(cost.back() + sizes[f]);
       }
-  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  const float scale = 1.4426950408889634f / std::sqrt(static_cast<float>(dim));  // log2(e) / sqrt(d)
   const float* qp = q.data_ptr<float>();
   const float* ktp = kt.data_ptr<float>();
   const float* vp = vh.data_ptr<float>();
