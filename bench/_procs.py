@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -15,14 +16,14 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_encoder(workdir: Path, transport: str, blocks: int, *, ready_timeout_s: float, block_size: int = 64
-                  ) -> tuple[subprocess.Popen[bytes], int, str]:
+def start_encoder(workdir: Path, transport: str, blocks: int, *, ready_timeout_s: float, block_size: int = 64,
+                  extra_args: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], int, str]:
     """`epd encoder` on 127.0.0.1, port 0, eager graphs, 64-row blocks by default; (process, port, transport)."""
     ready = workdir / "encoder.ready.json"
     cmd = [sys.executable, "-m", "common.cli", "encoder", "--host", "127.0.0.1", "--port", "0",
            "--metrics-port", "-1", "--transport", transport, "--encoder-backend", "eager",
            "--cache-blocks", str(blocks), "--block-size", str(block_size), "--ready-file", str(ready),
-           "--log-level", "WARNING"]
+           "--log-level", "WARNING", *extra_args]
     with open(workdir / "encoder.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     deadline = time.monotonic() + ready_timeout_s

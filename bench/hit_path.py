@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _procs import png, start_encoder, stop  # noqa: E402
 from pull_throughput import BareReader, timed  # noqa: E402
 
+from common.malloc import keep_freed_memory  # noqa: E402
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc  # noqa: E402
 from prefill_client.client import EncoderCacheClient  # noqa: E402
 from prefill_client.encoder_conn import MediaSpec, encode_request_bytes  # noqa: E402
@@ -86,9 +87,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     images = [png(7000 + i, size=args.size) for i in range(args.items)]
     tokens = (args.size // 32) ** 2
     blocks = args.items * -(-tokens // args.block_size) + 2
+    encoder_args, echo_args = ((), ()) if args.keep_freed_memory else (
+        ("--keep-freed-memory", "false"), ("--no-keep-freed-memory",))
     encoder, port, transport = start_encoder(workdir, args.transport, blocks, ready_timeout_s=READY_TIMEOUT_S,
-                                             block_size=args.block_size)
-    echo = subprocess.Popen([sys.executable, __file__, "--serve-echo"], stdin=subprocess.PIPE,
+                                             block_size=args.block_size, extra_args=encoder_args)
+    echo = subprocess.Popen([sys.executable, __file__, "--serve-echo", *echo_args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     target = f"127.0.0.1:{port}"
     try:
@@ -164,8 +167,14 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=256, help="the encoder's rows per block")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--serve-echo", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
+                        help="glibc's default malloc thresholds here, in the echo server and in the encoder")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # As `epd encoder` and `epd prefill` do at start (--keep-freed-memory, on by default): the echo
+    # server and this client process alike, so both sides of every comparison run with the same malloc.
+    if args.keep_freed_memory:
+        keep_freed_memory()
     if args.serve_echo:
         serve_echo()
         return

@@ -187,6 +187,9 @@ class EncoderServerConfig:
         "auto", env="EPD_ENCODER_BACKEND",
         help="encoder graph backend: eager, compile (torch.compile, every bucket compiled at start-up), "
              "neuron, or auto (compile, measured faster than eager on CPU)")
+    keep_freed_memory: bool = setting(
+        True, env="EPD_KEEP_FREED_MEMORY",
+        help="keep freed memory for reuse (glibc mallopt: buffers up to 64 MiB from the heap, up to 256 MiB of freed memory kept): requests of tens of MB otherwise page-fault fresh memory each time (common/malloc.py; true/false)")
     attention_kernel: str = setting(
         "auto", env="EPD_ATTENTION_KERNEL",
         help="attention of the encoder tower: auto (the native CPU kernel on AVX-512 CPUs in float32, built "
@@ -291,6 +294,9 @@ class PrefillConfig:
         4096, env="EPD_PREFIX_CACHE_BLOCKS", help="prefix-cache capacity, in blocks (LRU)")
     mm_cache_items: int = setting(
         1024, env="EPD_MM_CACHE_ITEMS", help="layer-1 input-processor cache capacity, in items (LRU)")
+    keep_freed_memory: bool = setting(
+        True, env="EPD_KEEP_FREED_MEMORY",
+        help="keep freed memory for reuse (glibc mallopt: buffers up to 64 MiB from the heap, up to 256 MiB of freed memory kept): requests of tens of MB otherwise page-fault fresh memory each time (common/malloc.py; true/false)")
     compile_graph: bool = setting(
         False, env="EPD_COMPILE", flag="--compile", help="torch.compile the prefill graph (true/false)")
     tls: TlsConfig = field(default_factory=TlsConfig)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from common.config import EncoderServerConfig, add_arguments, build
 from common.errors import ConfigError, EpdError
+from common.malloc import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ def main(argv: list[str]) -> int:
         config = build(EncoderServerConfig, args, os.environ)
     except ConfigError as exc:
         parser.error(str(exc))
+    if config.keep_freed_memory:
+        keep_freed_memory()
     try:
         return asyncio.run(_serve(config, args.ready_file, args.listening_file))
     except EpdError as exc:

@@ -31,6 +31,7 @@ from typing import Any, Protocol, TextIO
 
 from common.config import PrefillConfig, add_arguments, build
 from common.errors import ConfigError, ECLoadFailure, EpdError
+from common.malloc import keep_freed_memory
 from common.metrics import PrefillMetrics
 from prefill_client.chat import ChatRequest, load_requests
 from prefill_client.dump import MergeRecorder, write_request
@@ -190,6 +191,8 @@ def main(argv: list[str], make_worker: WorkerFactory = build_worker) -> int:
         cfg: PrefillConfig = build(PrefillConfig, args, os.environ)
     except ConfigError as exc:
         parser.error(str(exc))
+    if cfg.keep_freed_memory:
+        keep_freed_memory()
     if not 0 <= args.linger_s <= MAX_LINGER_S:
         parser.error(f"--linger-s must be in [0, {MAX_LINGER_S:.0f}], got {args.linger_s}")
     try:
