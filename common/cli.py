@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "encoder": ("encoder_server.cli", "main", "run the encoder service (gRPC + NIXL cache + /metrics)"),
     "prefill": ("prefill_client.cli", "main", "run the reference prefill worker against encoders"),
     "demo": ("encoder_server.demo.cli", "main", "start an encoder and two prefill workers and run a workload"),
+    "weights-digest": ("common.weights_digest", "main",
+                       "print a checkpoint's vision weights digest (for --weights-digest)"),
     "bench": ("common.cli", "bench_main", "run a script of bench/ (source checkout): epd bench NAME [ARGS]"),
 }
 

@@ -294,6 +294,11 @@ class PrefillConfig:
         4096, env="EPD_PREFIX_CACHE_BLOCKS", help="prefix-cache capacity, in blocks (LRU)")
     mm_cache_items: int = setting(
         1024, env="EPD_MM_CACHE_ITEMS", help="layer-1 input-processor cache capacity, in items (LRU)")
+    weights_digest: str | None = setting(
+        None, env="EPD_WEIGHTS_DIGEST",
+        help="vision weights digest the encoders must announce (`epd weights-digest CHECKPOINT` prints it): "
+             "others are refused, naming both digests, and their items go to the next encoder. Unset: "
+             "encoders of any weights are accepted, their items kept apart by digest")
     keep_freed_memory: bool = setting(
         True, env="EPD_KEEP_FREED_MEMORY",
         help="keep freed memory for reuse (glibc mallopt: buffers up to 64 MiB from the heap, up to 256 MiB of freed memory kept): requests of tens of MB otherwise page-fault fresh memory each time (common/malloc.py; true/false)")

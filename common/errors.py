@@ -12,6 +12,7 @@ the gRPC status it maps to, so the servicer aborts with
     ├── LimitExceededError        RESOURCE_EXHAUSTED too many items / pixels / bytes
     ├── AuthError                 UNAUTHENTICATED
     ├── HandshakeError            FAILED_PRECONDITION model/layout/version mismatch
+    │   └── WeightsMismatchError  FAILED_PRECONDITION encoder's vision weights are not the expected ones
     ├── StaleIncarnationError     FAILED_PRECONDITION producer restarted: re-handshake
     ├── CacheFullError            RESOURCE_EXHAUSTED nothing evictable; retry_after_ms
     ├── NotFoundError             NOT_FOUND
@@ -77,6 +78,19 @@ class HandshakeError(EpdError):
     """Producer and consumer disagree on model, layout or protocol version."""
 
     grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class WeightsMismatchError(HandshakeError):
+    """The encoder serves vision weights other than the ones this consumer expects (a rolling update).
+
+    The message names both digests. The client moves on to the next encoder in
+    rendezvous order, as for an encoder that is down.
+    """
+
+    def __init__(self, target: str, expected: str, got: str) -> None:
+        super().__init__(f"encoder {target} serves vision weights {got or '(none announced)'}, "
+                         f"this consumer expects {expected}")
+        self.target, self.expected, self.got = target, expected, got
 
 
 class StaleIncarnationError(EpdError):

@@ -51,8 +51,8 @@ def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     # mallopt returns 1 on success, 0 on error.
-    done = (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-            and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1)
+    done = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+                and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1)
     if done:
         logger.info("malloc: buffers up to %d MiB from the heap, up to %d MiB of freed memory kept for reuse",
                     MMAP_THRESHOLD_BYTES >> 20, TRIM_THRESHOLD_BYTES >> 20)

@@ -122,6 +122,7 @@ class EncoderServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
         self._preprocess_proto: pb2.PreprocessParams | None = None
+        self._weights_digest = ""
         self.engine: EncoderEngine | None = None
         self.servicer: EncoderCacheServicer | None = None
         self.transport: ProducerTransport | None = None
@@ -201,6 +202,7 @@ class EncoderServer:
                                backend=cfg.encoder_backend)
         preprocessor = Preprocessor(preprocess_config)
         self._preprocess_proto = params_to_proto(preprocess_config.params(), preprocess_config.fingerprint())
+        self._weights_digest = encoder.weights_digest
         total = len(runner.buckets)
         self.metrics.warmup_buckets.set(total)
         self.metrics.warmup_buckets_ready.set(0)
@@ -286,7 +288,8 @@ class EncoderServer:
 
     def _handshake_extra(self) -> pb2.HandshakeResponse:
         assert self.transport is not None and self._preprocess_proto is not None
-        return self.transport.fill_handshake(pb2.HandshakeResponse(preprocess=self._preprocess_proto))
+        return self.transport.fill_handshake(
+            pb2.HandshakeResponse(preprocess=self._preprocess_proto, weights_digest=self._weights_digest))
 
     # --- background --------------------------------------------------------------------------
 

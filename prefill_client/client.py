@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -50,6 +51,7 @@ from common.errors import (
     PeerDisconnected,
     TransferTimeout,
     TransportError,
+    WeightsMismatchError,
 )
 from common.media import PreprocessParams
 from common.metrics import PrefillMetrics
@@ -77,6 +79,7 @@ class PulledItem:
     grid_thw: tuple[int, ...]
     encoder: str
     source: str  # "local" (consumer cache), "hit" (encoder had it), "miss" (encoder ran)
+    weights_digest: str = ""  # of the encoder's vision weights (common.weights_digest)
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +87,10 @@ class PulledItem:
 
 
 class _LocalCache:
-    """Pulled items by mm_hash, LRU, bounded in blocks of the producer layout."""
+    """Pulled items by (weights digest, mm_hash), LRU, bounded in blocks of the producer layout.
+
+    The digest is part of the key: the same mm_hash from encoders of other weights is another item.
+    """
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = capacity_blocks
@@ -92,27 +98,29 @@ class _LocalCache:
         self._blocks = 0
         self._lock = threading.Lock()
 
-    def get(self, mm_hash: str) -> PulledItem | None:
+    def get(self, digest: str | None, mm_hash: str) -> PulledItem | None:
+        """The item, if pulled from an encoder of weights ``digest`` (None: not known yet, so no item)."""
+        if digest is None:
+            return None
+        key = f"{digest}|{mm_hash}"
         with self._lock:
-            entry = self._items.get(mm_hash)
+            entry = self._items.get(key)
             if entry is None:
                 return None
-            self._items.move_to_end(mm_hash)
+            self._items.move_to_end(key)
             return entry[0]
 
     def put(self, item: PulledItem, blocks: int) -> None:
+        key = f"{item.weights_digest}|{item.mm_hash}"
         with self._lock:
-            if blocks > self.capacity_blocks or item.mm_hash in self._items:
+            if blocks > self.capacity_blocks or key in self._items:
                 return
-            self._items[item.mm_hash] = (item, blocks)
+            self._items[key] = (item, blocks)
             self._blocks += blocks
             while self._blocks > self.capacity_blocks:
                 _, (_, old) = self._items.popitem(last=False)
                 self._blocks -= old
 
-    def __contains__(self, mm_hash: str) -> bool:
-        with self._lock:
-            return mm_hash in self._items
 
 
 class EncoderCacheClient:
@@ -133,8 +141,14 @@ class EncoderCacheClient:
         local_cache_blocks: int = 1024,
         metrics: PrefillMetrics | None = None,
         tls: TlsConfig | None = None,
+        weights_digest: str | None = None,
     ) -> None:
+        """``weights_digest``: the vision weights this client's model expects
+        (:func:`common.weights_digest.checkpoint_digest` of its checkpoint); encoders announcing
+        another digest are refused (:class:`WeightsMismatchError`) and their items go to the
+        next encoder. None accepts any encoder, and keeps items of different weights apart."""
         self.model_id = model_id
+        self.weights_digest = weights_digest
         self.consumer_id = consumer_id or f"{socket.gethostname()}:{os.getpid()}"
         self.rpc_timeout_s = rpc_timeout_s
         self.pull_timeout_s = pull_timeout_s
@@ -147,9 +161,11 @@ class EncoderCacheClient:
         self.targets = resolve_targets([targets] if isinstance(targets, str) else list(targets))
         self._conns = {
             t: EncoderConnection(t, model_id, self.consumer_id, self.transport, self.metrics,
-                                 rpc_timeout_s=rpc_timeout_s, tls=self._tls)
+                                 rpc_timeout_s=rpc_timeout_s, tls=self._tls, expected_weights_digest=weights_digest)
             for t in self.targets
         }
+        if weights_digest is None:
+            logger.info("no expected vision weights digest: encoders of any weights are accepted")
         self._local = _LocalCache(local_cache_blocks)
         self._where: dict[str, str] = {}  # mm_hash -> encoder target it was found on
         self._releaser = LeaseReleaser()
@@ -186,9 +202,9 @@ class EncoderCacheClient:
         out: list[PulledItem | None] = [None] * len(mm_hashes)
         by_target: dict[str, dict[str, list[int]]] = collections.defaultdict(dict)
         for i, h in enumerate(mm_hashes):
-            local = self._local.get(h)
+            local = self._local.get(self._digest_for(h), h)
             if local is not None:
-                out[i] = PulledItem(local.mm_hash, local.embeddings, local.grid_thw, local.encoder, "local")
+                out[i] = dataclasses.replace(local, source="local")
             else:
                 target = self._where.get(h) or self._route(functools.partial(str, h))
                 by_target[target].setdefault(h, []).append(i)
@@ -196,6 +212,8 @@ class EncoderCacheClient:
             conn = self._conns[target]
             try:
                 locations = conn.lookup(list(wanted))
+            except WeightsMismatchError as exc:
+                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=next(iter(wanted)), detail=str(exc)) from exc
             except grpc.RpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
@@ -222,6 +240,9 @@ class EncoderCacheClient:
             except grpc.RpcError as exc:
                 logger.warning("encoder %s unreachable for its media parameters: %s", target, exc.code())
                 continue
+            except WeightsMismatchError as exc:
+                logger.warning("%s; not asked for its media parameters", exc)
+                continue
             if seen is not None and params != seen:
                 raise HandshakeError(f"encoders disagree on preprocessing: {seen} vs {target}: {params}")
             seen = params
@@ -231,7 +252,16 @@ class EncoderCacheClient:
 
     def cached(self, mm_hash: str) -> PulledItem | None:
         """The consumer-side cache of pulled items (no RPC, no NIXL)."""
-        return self._local.get(mm_hash)
+        return self._local.get(self._digest_for(mm_hash), mm_hash)
+
+    def _digest_for(self, mm_hash: str) -> str | None:
+        """The weights digest an item must have been pulled with to be served from the local cache:
+        the expected one, else that of the encoder it was last found on (None if not known)."""
+        if self.weights_digest is not None:
+            return self.weights_digest
+        target = self._where.get(mm_hash)
+        conn = self._conns.get(target) if target is not None else None
+        return conn.weights_digest if conn is not None and conn.incarnation_id else None
 
     def close(self) -> None:
         self._releaser.close()
@@ -287,7 +317,7 @@ class EncoderCacheClient:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     raise _EncoderDown(str(exc.details())) from exc
                 raise
-            except PeerDisconnected as exc:
+            except (PeerDisconnected, WeightsMismatchError) as exc:  # unusable here: the next encoder
                 raise _EncoderDown(str(exc)) from exc
             except ECLoadFailure as exc:  # from the answer (an item left the cache) or from the pull
                 if attempt + 1 < attempts and exc.reason in _RETRYABLE:
@@ -313,9 +343,9 @@ class EncoderCacheClient:
         results: list[PulledItem | None] = [None] * len(locations)
         todo: list[int] = []
         for i, loc in enumerate(locations):
-            local = self._local.get(loc.mm_hash)
+            local = self._local.get(conn.weights_digest, loc.mm_hash)
             if local is not None:
-                results[i] = PulledItem(loc.mm_hash, local.embeddings, local.grid_thw, local.encoder, "local")
+                results[i] = dataclasses.replace(local, source="local")
             else:
                 todo.append(i)
         self._releaser.add(conn, [loc.lease_id for loc, r in zip(locations, results) if r is not None])
@@ -412,7 +442,7 @@ class EncoderCacheClient:
                 failure = failure or verdict
                 continue
             item = PulledItem(loc.mm_hash, embeddings, tuple(loc.grid_thw), conn.target,
-                              "hit" if loc.result == pb2.CACHE_RESULT_HIT else "miss")
+                              "hit" if loc.result == pb2.CACHE_RESULT_HIT else "miss", conn.weights_digest)
             self._local.put(item, len(loc.block_ids))
             self._where[loc.mm_hash] = conn.target
             out.append(item)
@@ -450,7 +480,7 @@ class EncoderCacheClient:
 
 
 class _EncoderDown(EpdError):
-    """An encoder did not answer; the item moves to the next encoder in rendezvous order."""
+    """An encoder did not answer, or serves other weights; the item moves to the next encoder in rendezvous order."""
 
 
 class AsyncEncoderCacheClient:

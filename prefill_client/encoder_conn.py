@@ -30,6 +30,7 @@ from common.errors import (
     InvalidRequestError,
     LimitExceededError,
     LoadFailureReason,
+    WeightsMismatchError,
 )
 from common.layout import CacheLayout
 from common.metrics import PrefillMetrics
@@ -178,8 +179,11 @@ class EncoderConnection:
         *,
         rpc_timeout_s: float,
         tls: TlsConfig,
+        expected_weights_digest: str | None = None,
     ) -> None:
         self.target = target
+        self.expected_weights_digest = expected_weights_digest
+        self.weights_digest = ""  # announced by the current incarnation
         self.model_id = model_id
         self.consumer_id = consumer_id
         self.transport = transport
@@ -259,13 +263,19 @@ class EncoderConnection:
             raise HandshakeError(
                 f"compatibility mismatch with {self.target}: local {self.model_id!r}/{local_hash}, "
                 f"remote {resp.model_id!r}/{resp.compatibility_hash}")
+        expected = self.expected_weights_digest
+        if expected is not None and resp.weights_digest != expected:
+            # Checked before connecting: nothing is read from an encoder of other weights.
+            self.metrics.handshakes.labels(result="weights_mismatch").inc()
+            raise WeightsMismatchError(self.target, expected, resp.weights_digest)
         self._peer = self.transport.connect(resp, endpoint=self.target)
+        self.weights_digest = resp.weights_digest
         self._layout = layout
         self._media = (params_from_proto(resp.preprocess), resp.preprocess.fingerprint)
         self.incarnation_id = resp.incarnation_id
         self.metrics.handshakes.labels(result="ok").inc()
-        logger.info("handshook with encoder %s (incarnation %s, transport %s)",
-                    self.target, resp.incarnation_id[:8], resp.transport)
+        logger.info("handshook with encoder %s (incarnation %s, transport %s, vision weights %s)",
+                    self.target, resp.incarnation_id[:8], resp.transport, resp.weights_digest or "-")
 
     def reset(self) -> None:
         """Forget the peer: the next call handshakes again."""

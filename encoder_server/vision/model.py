@@ -255,6 +255,8 @@ class VisionEncoder(nn.Module):
         super().__init__()
         self.config = config
         self.fat_dim = config.fat_dim
+        # Of the weights it was loaded with (common.weights_digest); set by load_encoder.
+        self.weights_digest = ""
         self.patch_embed = PatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.rotary_pos_emb = RotaryEmbedding(config)

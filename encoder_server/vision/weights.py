@@ -3,7 +3,9 @@
 A checkpoint directory holds ``config.json`` (with a ``vision_config``) and
 safetensors shards. Only tensors under ``model.visual.`` (Qwen3-VL in
 transformers >= 4.57) or ``visual.`` (older exports) are read, one at a time
-through ``safe_open``, so the language model's weights never reach memory.
+through ``safe_open``, so the language model's weights never reach memory,
+and hashed as they are read (:mod:`common.weights_digest`: the digest the
+handshake announces, the one a prefill worker computes from the same files).
 Every tower parameter must be present with its exact shape, and no unknown
 vision tensor may be left over: a silent partial load would serve wrong
 embeddings under the right model id.
@@ -11,7 +13,6 @@ embeddings under the right model id.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -20,12 +21,12 @@ import torch
 from safetensors import safe_open
 
 from common.errors import ConfigError
+from common.weights_digest import checkpoint_files, combine, tensor_entry, tensors_digest, vision_name
 from encoder_server.vision.config import VisionConfig
 from encoder_server.vision.model import VisionEncoder
 
 logger = logging.getLogger(__name__)
 
-VISION_PREFIXES = ("model.visual.", "visual.")
 
 
 def load_encoder(
@@ -47,11 +48,12 @@ def load_encoder(
         if config is not None and config != found:
             raise ConfigError(f"config {config} differs from the checkpoint's vision_config {found}")
         encoder = VisionEncoder(found)
-        _load_checkpoint(encoder, Path(path))
+        encoder.weights_digest = _load_checkpoint(encoder, Path(path))
         logger.info("loaded vision tower from %s (%d layers, fat_dim %d)", path, found.depth, found.fat_dim)
     else:
         encoder = VisionEncoder(config or VisionConfig())
         init_seeded(encoder, seed)
+        encoder.weights_digest = tensors_digest(encoder.named_parameters())
     encoder.to(device=torch.device(device), dtype=dtype)
     encoder.eval()
     encoder.requires_grad_(False)
@@ -79,35 +81,23 @@ def init_seeded(encoder: VisionEncoder, seed: int) -> None:
         param.copy_(values)
 
 
-def _checkpoint_files(root: Path) -> list[Path]:
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"cannot read {index}: {exc}") from exc
-        names = sorted({f for k, f in weight_map.items() if k.startswith(VISION_PREFIXES)})
-        return [root / n for n in names]
-    return sorted(root.glob("*.safetensors"))
-
-
 @torch.no_grad()
-def _load_checkpoint(encoder: VisionEncoder, root: Path) -> None:
-    files = _checkpoint_files(root)
+def _load_checkpoint(encoder: VisionEncoder, root: Path) -> str:
+    """Copy the checkpoint's vision tensors into ``encoder``; returns their weights digest."""
+    files = checkpoint_files(root)
     if not files:
         raise ConfigError(f"no safetensors files with vision weights in {root}")
     params = dict(encoder.named_parameters())
-    loaded: set[str] = set()
+    loaded: dict[str, str] = {}  # name -> its weights-digest entry
     unexpected: list[str] = []
     for file in files:
         if not file.is_file():
             raise ConfigError(f"checkpoint shard {file} named by the index is missing")
         with safe_open(str(file), framework="pt", device="cpu") as shard:
             for key in shard.keys():
-                prefix = next((p for p in VISION_PREFIXES if key.startswith(p)), None)
-                if prefix is None:
+                name = vision_name(key)
+                if name is None:
                     continue
-                name = key[len(prefix):]
                 if name not in params:
                     unexpected.append(key)
                     continue
@@ -120,11 +110,12 @@ def _load_checkpoint(encoder: VisionEncoder, root: Path) -> None:
                         f"the config expects {tuple(params[name].shape)}"
                     )
                 params[name].copy_(tensor)
-                loaded.add(name)
-    missing = sorted(set(params) - loaded)
+                loaded[name] = tensor_entry(tensor)  # as stored: a prefill worker hashes the same files
+    missing = sorted(set(params) - set(loaded))
     if missing or unexpected:
         raise ConfigError(
             f"checkpoint {root} does not match the vision config: "
             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)}), "
             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})"
         )
+    return combine(loaded)

@@ -12,11 +12,15 @@ from encoder_server.vision import load_encoder
 
 
 class Reference:
-    """The default encoder (same seed as ``epd encoder`` without --weights), run plainly."""
+    """The default encoder (same seed as ``epd encoder`` without --weights), or the one of
+    checkpoint ``weights`` (as ``epd encoder --weights``), run plainly."""
+
+    def __init__(self, weights: str | None = None) -> None:
+        self.weights = weights
 
     @cached_property
     def encoder(self):  # type: ignore[no-untyped-def]
-        return load_encoder()
+        return load_encoder(self.weights)
 
     @cached_property
     def preprocessor(self) -> Preprocessor:

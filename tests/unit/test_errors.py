@@ -14,6 +14,7 @@ EXPECTED = {
     errors.LimitExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.AuthError: grpc.StatusCode.UNAUTHENTICATED,
     errors.HandshakeError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.WeightsMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.StaleIncarnationError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.CacheFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NotFoundError: grpc.StatusCode.NOT_FOUND,
