@@ -253,7 +253,8 @@ class PrefillConfig:
 
     encoders: tuple[str, ...] = setting(
         (f"127.0.0.1:{DEFAULT_GRPC_PORT}",), env="EPD_ENCODERS", flag="--encoder",
-        help="encoder targets, comma separated HOST:PORT, or dns:///NAME:PORT resolving to every pod")
+        help="encoder targets, comma separated: HOST:PORT, dns:///NAME:PORT resolving to every pod, or "
+             "file:PATH listing targets one per line; names and files are resolved again while running")
     model_id: str = setting(
         "tiny-qwen3-vl", env="EPD_MODEL_ID", help="model identity sent in the handshake")
     consumer_id: str | None = setting(
@@ -294,6 +295,10 @@ class PrefillConfig:
         4096, env="EPD_PREFIX_CACHE_BLOCKS", help="prefix-cache capacity, in blocks (LRU)")
     mm_cache_items: int = setting(
         1024, env="EPD_MM_CACHE_ITEMS", help="layer-1 input-processor cache capacity, in items (LRU)")
+    membership_refresh_s: float = setting(
+        2.0, env="EPD_MEMBERSHIP_REFRESH_S",
+        help="how often the encoder targets are resolved again (dns:///, file:) and every encoder's readiness "
+             "asked; new items go only to ready encoders, and at once after a failed call; 0: only at start")
     weights_digest: str | None = setting(
         None, env="EPD_WEIGHTS_DIGEST",
         help="vision weights digest the encoders must announce (`epd weights-digest CHECKPOINT` prints it): "
@@ -314,6 +319,8 @@ class PrefillConfig:
                      "mm_cache_items"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         _require(self.deepstack_levels >= 0, "deepstack_levels", self.deepstack_levels, "must be >= 0")
+        _require(self.membership_refresh_s >= 0, "membership_refresh_s", self.membership_refresh_s,
+                 "must be >= 0")
 
 
 # --- CLI / environment plumbing -------------------------------------------------------

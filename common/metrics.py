@@ -63,6 +63,10 @@ EPD_PULL_BYTES = "epd_pull_bytes"
 EPD_PULL_LATENCY = "epd_pull_latency_seconds"
 EPD_LOAD_FAILURES = "epd_ec_load_failures"
 EPD_HANDSHAKES = "epd_handshakes"
+EPD_ENCODERS_KNOWN = "epd_encoders_known"
+EPD_ENCODERS_READY = "epd_encoders_ready"
+EPD_MEMBERSHIP_REFRESHES = "epd_encoder_membership_refreshes"
+EPD_ROUTED_AWAY = "epd_items_routed_away"
 # Encoder service.
 EPD_ENCODE_REQUESTS = "epd_encoder_requests"
 EPD_ENCODE_LATENCY = "epd_encoder_encode_latency_seconds"
@@ -186,6 +190,18 @@ class PrefillMetrics(InputProcessorMetrics):
             EPD_LOAD_FAILURES, "ECLoadFailure raised, by reason", ["reason"], registry=r)
         self.handshakes = Counter(
             EPD_HANDSHAKES, "Handshakes with encoders, by result", ["result"], registry=r)
+        # Encoder membership (prefill_client.pool): what the last refresh found.
+        self.encoders_known = Gauge(
+            EPD_ENCODERS_KNOWN, "Encoders the targets resolve to now", registry=r, multiprocess_mode="sum")
+        self.encoders_ready = Gauge(
+            EPD_ENCODERS_READY, "Known encoders whose readiness is SERVING (the ones new items go to)",
+            registry=r, multiprocess_mode="sum")
+        self.membership_refreshes = Counter(
+            EPD_MEMBERSHIP_REFRESHES, "Re-resolutions of the encoder targets, by result (changed, unchanged, "
+            "failed)", ["result"], registry=r)
+        self.routed_away = Counter(
+            EPD_ROUTED_AWAY, "Items sent to an encoder other than their first in rendezvous order (it was not "
+            "ready, or down)", registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

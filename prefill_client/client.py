@@ -59,7 +59,7 @@ from common.transport import ConsumerTransport
 from common.wire import pb2
 from prefill_client.encoder_conn import EncoderConnection, MediaSpec
 from prefill_client.releaser import LeaseReleaser
-from prefill_client.routing import rendezvous_order, resolve_targets
+from prefill_client.pool import DEFAULT_REFRESH_INTERVAL_S, EncoderPool
 from prefill_client.verify import check_location, gather_batch, gather_rows, verify_batch, verify_item
 
 logger = logging.getLogger(__name__)
@@ -142,11 +142,14 @@ class EncoderCacheClient:
         metrics: PrefillMetrics | None = None,
         tls: TlsConfig | None = None,
         weights_digest: str | None = None,
+        membership_refresh_s: float = DEFAULT_REFRESH_INTERVAL_S,
     ) -> None:
         """``weights_digest``: the vision weights this client's model expects
         (:func:`common.weights_digest.checkpoint_digest` of its checkpoint); encoders announcing
         another digest are refused (:class:`WeightsMismatchError`) and their items go to the
-        next encoder. None accepts any encoder, and keeps items of different weights apart."""
+        next encoder. None accepts any encoder, and keeps items of different weights apart.
+        ``membership_refresh_s``: how often the targets are resolved again and every encoder's
+        readiness asked (:class:`~prefill_client.pool.EncoderPool`; 0: only at start)."""
         self.model_id = model_id
         self.weights_digest = weights_digest
         self.consumer_id = consumer_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -158,12 +161,8 @@ class EncoderCacheClient:
         self.transport = transport if transport is not None else ConsumerTransport(
             TransportKind(transport_kind), num_landing_blocks=landing_blocks)
         self._tls = tls or TlsConfig()
-        self.targets = resolve_targets([targets] if isinstance(targets, str) else list(targets))
-        self._conns = {
-            t: EncoderConnection(t, model_id, self.consumer_id, self.transport, self.metrics,
-                                 rpc_timeout_s=rpc_timeout_s, tls=self._tls, expected_weights_digest=weights_digest)
-            for t in self.targets
-        }
+        self._pool = EncoderPool([targets] if isinstance(targets, str) else list(targets), self._connection,
+                                 self.metrics, refresh_interval_s=membership_refresh_s)
         if weights_digest is None:
             logger.info("no expected vision weights digest: encoders of any weights are accepted")
         self._local = _LocalCache(local_cache_blocks)
@@ -206,10 +205,15 @@ class EncoderCacheClient:
             if local is not None:
                 out[i] = dataclasses.replace(local, source="local")
             else:
-                target = self._where.get(h) or self._route(functools.partial(str, h))
+                target = self._where.get(h)
+                if target is None or self._pool.conn(target) is None:  # unknown, or its encoder left
+                    target = self._route(functools.partial(str, h))
                 by_target[target].setdefault(h, []).append(i)
         for target, wanted in by_target.items():
-            conn = self._conns[target]
+            conn = self._pool.conn(target)
+            if conn is None:
+                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=next(iter(wanted)),
+                                 detail=f"encoder {target} left the encoder list")
             try:
                 locations = conn.lookup(list(wanted))
             except WeightsMismatchError as exc:
@@ -234,9 +238,10 @@ class EncoderCacheClient:
     def media_params(self) -> tuple[PreprocessParams, str]:
         """Preprocessing parameters and fingerprint every encoder must share (layer-1 token counts)."""
         seen: tuple[PreprocessParams, str] | None = None
-        for target in self.targets:
+        for conn in self._pool.connections():
+            target = conn.target
             try:
-                params = self._conns[target].media_params
+                params = conn.media_params
             except grpc.RpcError as exc:
                 logger.warning("encoder %s unreachable for its media parameters: %s", target, exc.code())
                 continue
@@ -260,13 +265,12 @@ class EncoderCacheClient:
         if self.weights_digest is not None:
             return self.weights_digest
         target = self._where.get(mm_hash)
-        conn = self._conns.get(target) if target is not None else None
+        conn = self._pool.conn(target) if target is not None else None
         return conn.weights_digest if conn is not None and conn.incarnation_id else None
 
     def close(self) -> None:
         self._releaser.close()
-        for conn in self._conns.values():
-            conn.close()
+        self._pool.close()
         if self._own_transport:
             self.transport.close()
 
@@ -276,32 +280,46 @@ class EncoderCacheClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The encoders known now (they follow the target list while the client runs)."""
+        return self._pool.targets
+
+    def connection(self, target: str) -> EncoderConnection | None:
+        """The connection to a known encoder (its handshake state, its incarnation)."""
+        return self._pool.conn(target)
+
     # --- routing ---------------------------------------------------------------------------
 
-    def _pick(self, key: str) -> list[str]:
-        return rendezvous_order(key, self.targets)
+    def _connection(self, target: str) -> EncoderConnection:
+        return EncoderConnection(target, self.model_id, self.consumer_id, self.transport, self.metrics,
+                                 rpc_timeout_s=self.rpc_timeout_s, tls=self._tls,
+                                 expected_weights_digest=self.weights_digest)
 
     def _route(self, key: Callable[[], str]) -> str:
-        """The preferred encoder for an item; its key (a content digest) is computed only to choose."""
-        return self.targets[0] if len(self.targets) == 1 else self._pick(key())[0]
+        """The encoder for a new item: the first ready one in its rendezvous order (its key, a
+        content digest, is computed only when there is a choice)."""
+        return self._pool.order(key)[0]
 
     def _with_failover(self, key: Callable[[], str], first: str,
                        call: Callable[[EncoderConnection], list[PulledItem]]) -> list[PulledItem]:
         """Run ``call(conn)`` on the item's encoder, moving down the rendezvous order when one is down."""
         last_exc: Exception | None = None
         for target in self._failover_order(key, first):
-            conn = self._conns[target]
+            conn = self._pool.conn(target)
+            if conn is None:  # left the list meanwhile
+                continue
             try:
                 return call(conn)
             except _EncoderDown as exc:
                 logger.warning("encoder %s is down (%s); trying the next one", target, exc)
+                self._pool.report_down(target)
                 last_exc = exc
         raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=key(), detail=f"no encoder reachable: {last_exc}")
 
     def _failover_order(self, key: Callable[[], str], first: str) -> Iterator[str]:
-        yield first
-        if len(self.targets) > 1:  # the key is computed only when the first choice is down
-            yield from (t for t in self._pick(key()) if t != first)
+        yield first  # the rest (and the key) only when the first choice is down
+        yield from (t for t in self._pool.order(key) if t != first)
 
     # --- encode + pull ----------------------------------------------------------------------
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from common import media
-from common.config import TlsConfig
+from common.config import READINESS_SERVICE, TlsConfig
 from common.errors import (
     AuthError,
     CacheFullError,
@@ -192,6 +193,10 @@ class EncoderConnection:
         self._metadata = (("authorization", f"Bearer {tls.auth_token}"),) if tls.auth_token else ()
         self._channel = self._open_channel(target, tls)
         self._stub = pb2_grpc.EncoderCacheServiceStub(self._channel)
+        self._health_check: grpc.UnaryUnaryMultiCallable[
+            health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse] = self._channel.unary_unary(
+                "/grpc.health.v1.Health/Check", request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckResponse.FromString)
         # Encode takes its request already in wire format (encode_request_bytes).
         self._encode_raw: grpc.UnaryUnaryMultiCallable[bytes, pb2.EncodeResponse] = self._channel.unary_unary(
             f"/{SERVICE_NAME}/Encode", request_serializer=None,
@@ -365,6 +370,13 @@ class EncoderConnection:
                 logger.warning("release of %d leases on %s failed: %s", count, target, code)
 
         future.add_done_callback(done)
+
+    def readiness(self, timeout_s: float) -> grpc.Future[health_pb2.HealthCheckResponse]:
+        """Ask the encoder's ``grpc.health.v1`` for ``readiness`` (SERVING once warmed up, NOT_SERVING
+        while warming up or draining), without waiting: the pool probes every encoder at once."""
+        call: grpc.Future[health_pb2.HealthCheckResponse] = self._health_check.future(
+            health_pb2.HealthCheckRequest(service=READINESS_SERVICE), timeout=timeout_s, metadata=self._metadata)
+        return call
 
     def close(self) -> None:
         """Close the channel once the releases in flight are answered (at most their deadline)."""

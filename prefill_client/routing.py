@@ -5,8 +5,11 @@ highest. When that encoder is down the item goes to the next in the same
 order, so every client that sees the same set of encoders agrees on where an
 item lives, and removing one encoder moves only that encoder's items.
 
-Targets are ``HOST:PORT`` strings, or ``dns:///NAME:PORT``, which is resolved
-to every address behind the name (a headless Service lists every encoder pod).
+Targets are ``HOST:PORT`` strings; ``dns:///NAME:PORT``, which is resolved
+to every address behind the name (a headless Service lists every encoder pod);
+or ``file:PATH``, a file with one target per line (``#`` starts a comment),
+such as a mounted ConfigMap. :class:`prefill_client.pool.EncoderPool`
+resolves them again while it runs, so encoders come and go without a restart.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import socket
 from collections.abc import Sequence
+from pathlib import Path
 
 from common.errors import ConfigError
 
@@ -35,10 +39,26 @@ def split_host_port(target: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _file_targets(path: str) -> list[str]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the encoder list {path!r}: {exc}") from exc
+    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
+    found = [line for line in lines if line]
+    if any(line.startswith("file:") for line in found):
+        raise ConfigError(f"encoder list {path!r} names another file; list HOST:PORT or dns:/// targets")
+    return found
+
+
 def resolve_targets(targets: Sequence[str]) -> list[str]:
-    """Expand ``dns:///NAME:PORT`` into one ``ADDR:PORT`` per resolved address."""
+    """Expand ``dns:///NAME:PORT`` into one ``ADDR:PORT`` per resolved address and ``file:PATH``
+    into the targets it lists (resolved the same way)."""
     out: list[str] = []
+    expanded: list[str] = []
     for target in targets:
+        expanded += _file_targets(target[len("file:"):]) if target.startswith("file:") else [target]
+    for target in expanded:
         if target.startswith("dns:///"):
             host, port = split_host_port(target[len("dns:///"):])
             try:

@@ -66,7 +66,7 @@ def image(seed: int) -> bytes:
 
 def frozen_after_the_rpc(client: EncoderCacheClient, enc: EncoderProcess) -> None:
     """Make the client's next Encode freeze the encoder as soon as its locations arrive: the READ then stalls."""
-    conn = client._conns[client.targets[0]]
+    conn = client.connection(client.targets[0])
     original = conn.encode
 
     def encode_then_freeze(items):  # type: ignore[no-untyped-def]
@@ -142,7 +142,7 @@ def test_crash_stall_and_dead_lease_holder(tmp_path: Path, transport: str) -> No
         encoders.append(enc)
         got = client.encode([MediaSpec.image(image(3))])[0]
         assert matches(got.embeddings, REF.image(image(3)))
-        assert client._conns[client.targets[0]].incarnation_id == enc.incarnation_id
+        assert client.connection(client.targets[0]).incarnation_id == enc.incarnation_id
 
         # --- 2. SIGSTOP mid-pull, then SIGCONT ---------------------------------------------------
         client.pull_timeout_s = STALL_PULL_TIMEOUT_S

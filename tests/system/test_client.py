@@ -175,12 +175,12 @@ def test_restarted_producer_is_re_handshaken(tmp_path, transport) -> None:
     try:
         with EncoderCacheClient(f"127.0.0.1:{port}", MODEL, transport_kind=transport) as client:
             assert matches(client.encode([MediaSpec.image(img1)])[0].embeddings, REF.image(img1))
-            first = client._conns[client.targets[0]].incarnation_id
+            first = client.connection(client.targets[0]).incarnation_id
             assert enc.terminate() == 0
             enc = start_encoder(tmp_path, *args, name="second")
             got = client.encode([MediaSpec.image(img2)])[0]
             assert matches(got.embeddings, REF.image(img2))
-            assert client._conns[client.targets[0]].incarnation_id == enc.incarnation_id != first
+            assert client.connection(client.targets[0]).incarnation_id == enc.incarnation_id != first
     finally:
         enc.terminate()
 
@@ -227,7 +227,8 @@ def test_one_bad_item_of_a_batched_pull_fails_alone(tmp_path) -> None:
             assert info.value.reason is LoadFailureReason.TAG_MISMATCH
             assert len(posts) == 2, "one block READ and one tag READ for the whole batch"
             assert info.value.mm_hash == media.mm_hash(MODEL, client.media_params()[1], MediaSpec.image(a).key())
-            kept = [h for h in client._local._items]  # noqa: SLF001 - what the local cache holds
+            # What the local cache holds, by mm_hash (its keys are "weights digest|mm_hash").
+            kept = [key.split("|", 1)[1] for key in client._local._items]  # noqa: SLF001
             assert len(kept) == 2 and info.value.mm_hash not in kept
             for h, ref in zip(kept, (REF.image(b), REF.image(c))):
                 assert matches(client.cached(h).embeddings, ref)

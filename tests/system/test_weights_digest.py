@@ -76,7 +76,7 @@ def test_refusal_names_both_digests(pods: dict[str, tuple[EncoderProcess, str, R
             client.lookup(["0" * 32])
         assert digest_a in str(lookup_err.value) and digest_b in str(lookup_err.value)
         with pytest.raises(WeightsMismatchError) as direct:
-            client._conns[enc_b.target].peer()
+            client.connection(enc_b.target).peer()  # type: ignore[union-attr]
         assert (direct.value.expected, direct.value.got) == (digest_a, digest_b)
 
 

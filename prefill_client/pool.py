@@ -1,0 +1,198 @@
+"""The encoders a prefill worker routes to, kept current while it runs (prefill process).
+
+:class:`EncoderPool` owns one :class:`EncoderConnection` per encoder and
+answers "which encoders, in which order, for this item". It follows the
+cluster without a restart:
+
+- **Membership.** The targets (``HOST:PORT``, ``dns:///NAME:PORT``,
+  ``file:PATH``; :mod:`prefill_client.routing`) are resolved again every
+  ``refresh_interval_s``, and at once after an encoder failed a call. New
+  encoders join the rendezvous; encoders that are no longer listed leave it
+  (their connection is closed a grace period later, once the leases it
+  queued for release are out). A resolution that fails keeps the last set.
+- **Readiness.** Every refresh asks each encoder's ``grpc.health.v1`` for
+  ``readiness``, all at once with a short deadline. An encoder that is warming
+  up or draining (NOT_SERVING) or does not answer gets no new item: items go
+  to the first *ready* encoder in their rendezvous order, and only when none
+  is ready to the others, in the same order (the call then fails over as
+  before). Items already leased on a non-ready encoder are still pulled and
+  released there: the client calls that connection directly.
+
+Rendezvous runs over the targets as listed or resolved: per-pod DNS names
+(the StatefulSet's) keep an item's encoder across pod restarts; addresses
+from a headless Service do not (a restarted pod may come back on another IP).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from common.errors import ConfigError
+from common.metrics import PrefillMetrics
+from prefill_client.encoder_conn import EncoderConnection
+from prefill_client.routing import rendezvous_order, resolve_targets
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REFRESH_INTERVAL_S = 2.0
+HEALTH_TIMEOUT_S = 0.5
+# How long a connection to an encoder that left the list stays open: its queued lease
+# releases go out meanwhile (they get at least MIN_RELEASE_TIMEOUT_S each).
+RETIRE_GRACE_S = 10.0
+
+
+@dataclass(slots=True)
+class _Member:
+    conn: EncoderConnection
+    ready: bool = True  # until the first probe says otherwise
+
+
+class EncoderPool:
+    """Encoders by target, their readiness, and each item's order over them."""
+
+    def __init__(
+        self,
+        specs: Sequence[str],
+        connect: Callable[[str], EncoderConnection],
+        metrics: PrefillMetrics,
+        *,
+        refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S,
+        health_timeout_s: float = HEALTH_TIMEOUT_S,
+    ) -> None:
+        """Resolves ``specs`` now (a failure raises :class:`ConfigError`) and probes readiness once;
+        ``refresh_interval_s`` 0 never refreshes in the background (call :meth:`refresh`)."""
+        if not refresh_interval_s >= 0:
+            raise ConfigError(f"refresh interval must be >= 0 seconds, got {refresh_interval_s}")
+        self.specs = tuple(specs)
+        self.metrics = metrics
+        self.refresh_interval_s = refresh_interval_s
+        self.health_timeout_s = health_timeout_s
+        self._connect = connect
+        self._lock = threading.Lock()  # membership changes; readers take a snapshot
+        self._members: dict[str, _Member] = {t: _Member(connect(t)) for t in resolve_targets(self.specs)}
+        self._order: tuple[str, ...] = tuple(self._members)
+        self._retired: list[tuple[float, EncoderConnection]] = []
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._probe()
+        self._thread: threading.Thread | None = None
+        if refresh_interval_s > 0:
+            self._thread = threading.Thread(target=self._run, name="epd-encoder-pool", daemon=True)
+            self._thread.start()
+
+    # --- what callers read -----------------------------------------------------------------
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Every known encoder, ready or not, in the order resolved."""
+        return self._order
+
+    def conn(self, target: str) -> EncoderConnection | None:
+        member = self._members.get(target)
+        return member.conn if member is not None else None
+
+    def connections(self) -> list[EncoderConnection]:
+        return [m.conn for m in list(self._members.values())]
+
+    def ready(self, target: str) -> bool:
+        member = self._members.get(target)
+        return member is not None and member.ready
+
+    def order(self, key: Callable[[], str]) -> list[str]:
+        """Targets for an item, most preferred first: ready encoders in rendezvous order, then the rest.
+
+        ``key`` (the item's content digest) is computed only when there is a choice to make.
+        """
+        members = dict(self._members)
+        if len(members) <= 1:
+            return list(members)
+        ranked = rendezvous_order(key(), list(members))
+        ready = [t for t in ranked if members[t].ready]
+        if ready and ready[0] != ranked[0]:
+            self.metrics.routed_away.inc()
+        return ready + [t for t in ranked if not members[t].ready]
+
+    def report_down(self, target: str) -> None:
+        """A call to ``target`` failed as if it were gone: route around it and refresh now."""
+        member = self._members.get(target)
+        if member is not None:
+            member.ready = False
+        self.metrics.encoders_ready.set(sum(m.ready for m in self._members.values()))
+        self._wake.set()
+
+    # --- refresh -----------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Resolve the targets again, add and retire encoders, probe every encoder's readiness."""
+        try:
+            found = resolve_targets(self.specs)
+        except ConfigError as exc:
+            self.metrics.membership_refreshes.labels(result="failed").inc()
+            logger.warning("encoder targets did not resolve (%s); keeping %d known", exc, len(self._members))
+            found = list(self._members)
+        else:
+            changed = set(found) != set(self._members)
+            self.metrics.membership_refreshes.labels(result="changed" if changed else "unchanged").inc()
+        with self._lock:
+            added = [t for t in found if t not in self._members]
+            gone = [t for t in self._members if t not in found]
+            members = {t: self._members.get(t) or _Member(self._connect(t), ready=False) for t in found}
+            now = time.monotonic()
+            self._retired += [(now + RETIRE_GRACE_S, self._members[t].conn) for t in gone]
+            self._members, self._order = members, tuple(found)
+        if added or gone:
+            logger.info("encoders: %d known (added %s, left %s)", len(found), added or "none", gone or "none")
+        self._probe()
+        self._close_retired(time.monotonic())
+
+    def _probe(self) -> None:
+        """Readiness of every known encoder, asked at once; no answer in time is not ready."""
+        members = list(self._members.items())
+        calls = [(target, member, member.conn.readiness(self.health_timeout_s)) for target, member in members]
+        for target, member, call in calls:
+            try:
+                ready = call.result().status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError as exc:
+                ready = False
+                logger.debug("encoder %s readiness unknown: %s", target, exc.code())
+            if ready != member.ready:
+                logger.info("encoder %s is %s", target, "ready" if ready else "not ready (no new items)")
+            member.ready = ready
+        self.metrics.encoders_known.set(len(members))
+        self.metrics.encoders_ready.set(sum(m.ready for _, m in members))
+
+    def _close_retired(self, now: float) -> None:
+        with self._lock:
+            due = [conn for when, conn in self._retired if when <= now]
+            self._retired = [(when, conn) for when, conn in self._retired if when > now]
+        for conn in due:
+            conn.close()
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(self.refresh_interval_s)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - the pool must outlive one bad refresh
+                logger.exception("encoder pool refresh failed")
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        with self._lock:
+            conns = [m.conn for m in self._members.values()] + [conn for _, conn in self._retired]
+            self._members, self._retired = {}, []
+        for conn in conns:
+            conn.close()
