@@ -193,6 +193,6 @@ class EncoderPool:
             self._thread.join(timeout=5.0)
         with self._lock:
             conns = [m.conn for m in self._members.values()] + [conn for _, conn in self._retired]
-            self._members, self._retired = {}, []
+            self._members, self._order, self._retired = {}, (), []
         for conn in conns:
             conn.close()

@@ -1,0 +1,170 @@
+"""Encoders join, leave, warm up and drain under a running client, through real processes.
+
+The client follows a ``file:`` target list the test edits (as a mounted list or
+a re-resolved name would change), with a short refresh. Every delivered
+embedding is checked against a local reference encode, and each encoder's own
+``/metrics`` says how many ``Encode`` calls reached it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from common.metrics import EPD_ENCODE_REQUESTS
+from prefill_client.client import EncoderCacheClient
+from prefill_client.encoder_conn import MediaSpec
+from prefill_client.routing import rendezvous_order
+from tests.support.media import image_bytes
+from tests.support.procs import EncoderProcess, start_encoder
+from tests.support.reference import Reference, matches
+from tests.support.scrape import scrape
+
+MODEL = "tiny-qwen3-vl"
+REF = Reference()
+REFRESH_S = 0.2
+SETTLE_S = 10.0  # bound on waiting for the client to see a change
+
+
+def _wait(what: str, done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {SETTLE_S} s: {what}")
+        time.sleep(0.05)
+
+
+def _encodes(metrics_port: int) -> float:
+    """Encode calls that reached an encoder, whatever their answer (refusals included)."""
+    samples = scrape(metrics_port).samples
+    return sum(v for k, v in samples.items() if k.startswith(f'{EPD_ENCODE_REQUESTS}_total{{') and
+               'method="Encode"' in k)
+
+
+class Images:
+    """Fresh images, picked so that some prefer a given encoder."""
+
+    def __init__(self) -> None:
+        self.seed = 1000
+
+    def preferring(self, target: str, targets: list[str], count: int, others: int) -> list[bytes]:
+        """``count`` images whose first encoder is ``target`` and ``others`` whose first is not."""
+        mine: list[bytes] = []
+        rest: list[bytes] = []
+        while len(mine) < count or len(rest) < others:
+            self.seed += 1
+            data = image_bytes(48 + self.seed % 5 * 16, 64, seed=self.seed)
+            first = rendezvous_order(MediaSpec.image(data).key(), targets)[0]
+            if first == target and len(mine) < count:
+                mine.append(data)
+            elif first != target and len(rest) < others:
+                rest.append(data)
+        return mine + rest
+
+
+def _encode_verified(client: EncoderCacheClient, images: list[bytes]) -> list[str]:
+    """Encode each image on its own; every one must come back right. Returns the encoder of each."""
+    where = []
+    for data in images:
+        [item] = client.encode([MediaSpec.image(data)])
+        assert matches(item.embeddings, REF.image(data)), f"wrong rows from {item.encoder}"
+        where.append(item.encoder)
+    return where
+
+
+@pytest.fixture
+def encoders(tmp_path: Path) -> Iterator[list[EncoderProcess]]:
+    started: list[EncoderProcess] = []
+    try:
+        for i in range(3):
+            started.append(start_encoder(tmp_path, "--transport", "mock", "--drain-grace-s", "30",
+                                         name=f"enc{i}"))
+        yield started
+    finally:
+        for enc in started:
+            enc.kill()
+
+
+def _spawn_warming(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, int]:
+    """An encoder that compiles one bucket graph from an empty cache: tens of seconds of warm-up,
+    health and /metrics up within a second or two."""
+    listening = tmp_path / "warming.json"
+    cmd = [sys.executable, "-m", "common.cli", "encoder", "--host", "127.0.0.1", "--port", "0",
+           "--metrics-port", "0", "--transport", "mock", "--encoder-backend", "compile",
+           "--encoder-buckets", "16", "--compile-cache-dir", str(tmp_path / "compile-cache"),
+           "--listening-file", str(listening)]
+    with open(tmp_path / "warming.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    _wait("the warming encoder listens", listening.exists)
+    ports = json.loads(listening.read_text())
+    return proc, f"127.0.0.1:{ports['port']}", int(ports["metrics_port"])
+
+
+def test_encoders_join_leave_warm_and_drain_under_a_running_client(
+        tmp_path: Path, encoders: list[EncoderProcess]) -> None:
+    e0, e1, e2 = encoders
+    listing = tmp_path / "encoders.txt"
+    listing.write_text(f"{e0.target}\n{e1.target}\n")
+    images = Images()
+    with EncoderCacheClient(f"file:{listing}", MODEL, transport_kind="mock",
+                            membership_refresh_s=REFRESH_S) as client:
+        assert client.targets == (e0.target, e1.target)
+        two = [e0.target, e1.target]
+        assert set(_encode_verified(client, images.preferring(e1.target, two, 3, 3))) == set(two)
+
+        # Join: listed, it takes the items that prefer it, with no client restart.
+        listing.write_text(f"{e0.target}\n{e1.target}\n{e2.target}\n")
+        _wait("the new encoder is known", lambda: e2.target in client.targets)
+        three = [e0.target, e1.target, e2.target]
+        joined = images.preferring(e2.target, three, 4, 2)
+        assert _encode_verified(client, joined)[:4] == [e2.target] * 4
+
+        # Warming up: it answers health but gets no Encode at all, even for the items that prefer it.
+        proc, warming, warming_metrics = _spawn_warming(tmp_path)
+        try:
+            listing.write_text("\n".join([*three, warming]) + "\n")
+            _wait("the warming encoder is known", lambda: warming in client.targets)
+            four = [*three, warming]
+            where = _encode_verified(client, images.preferring(warming, four, 4, 2))
+            assert warming not in where
+            assert _encodes(warming_metrics) == 0
+            assert not client._pool.ready(warming), "warmed up already: the check above proved nothing"
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        listing.write_text("\n".join(three) + "\n")
+        _wait("the warming encoder is gone", lambda: warming not in client.targets)
+
+        # Draining: a lease held elsewhere keeps e1 draining; it gets no new Encode.
+        holder = EncoderCacheClient(e1.target, MODEL, transport_kind="mock", membership_refresh_s=0)
+        try:
+            conn = holder.connection(e1.target)
+            assert conn is not None
+            [held] = conn.encode([MediaSpec.image(image_bytes(40, 40, seed=5))])
+            e1.proc.send_signal(signal.SIGTERM)
+            _wait("the draining encoder is not ready", lambda: not client._pool.ready(e1.target))
+            before = _encodes(e1.metrics_port)
+            where = _encode_verified(client, images.preferring(e1.target, three, 4, 2))
+            assert e1.target not in where
+            assert _encodes(e1.metrics_port) == before
+            conn.release([held.lease_id])
+        finally:
+            holder.close()
+        assert e1.proc.wait(30) == 0, e1.log()
+
+        # Leave: unlisted, it gets nothing new.
+        listing.write_text(f"{e0.target}\n")
+        _wait("e2 left", lambda: e2.target not in client.targets)
+        before = _encodes(e2.metrics_port)
+        where = _encode_verified(client, images.preferring(e2.target, three, 3, 1))
+        assert e2.target not in where
+        assert _encodes(e2.metrics_port) == before
+        assert client.metrics.routed_away._value.get() >= 8
