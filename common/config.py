@@ -190,6 +190,11 @@ class EncoderServerConfig:
     keep_freed_memory: bool = setting(
         True, env="EPD_KEEP_FREED_MEMORY",
         help="keep freed memory for reuse (glibc mallopt: buffers up to 64 MiB from the heap, up to 256 MiB of freed memory kept): requests of tens of MB otherwise page-fault fresh memory each time (common/malloc.py; true/false)")
+    encoder_id: str | None = setting(
+        None, env="EPD_ENCODER_ID",
+        help="this encoder's name in the handshake, the key consumers rank encoders by for an item: it must "
+             "survive restarts and differ between encoders. Unset: HOSTNAME:PORT (the pod name and port in a "
+             "StatefulSet)")
     attention_kernel: str = setting(
         "auto", env="EPD_ATTENTION_KERNEL",
         help="attention of the encoder tower: auto (the native CPU kernel on AVX-512 CPUs in float32, built "

@@ -31,6 +31,7 @@ import asyncio
 import hmac
 import importlib
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -113,6 +114,7 @@ class EncoderServer:
         self.metrics = EncoderMetrics()
         self.health = health.aio.HealthServicer()
         self.port = 0
+        self.encoder_id = ""  # set once the port is bound (listen)
         self.metrics_port = -1
         self.health_port = -1
         self._probe_server: grpc.aio.Server | None = None
@@ -149,9 +151,10 @@ class EncoderServer:
             self._httpd, _ = start_http_server(
                 cfg.metrics_port, addr=cfg.host, registry=self.metrics.scrape_view)
             self.metrics_port = self._httpd.server_port
+        self.encoder_id = cfg.encoder_id or f"{socket.gethostname()}:{self.port}"
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        logger.info("encoder listening on gRPC %s:%d (health port %d, metrics port %d); warming up, not ready",
-                    cfg.host, self.port, self.health_port, self.metrics_port)
+        logger.info("encoder %s listening on gRPC %s:%d (health port %d, metrics port %d); warming up, not ready",
+                    self.encoder_id, cfg.host, self.port, self.health_port, self.metrics_port)
 
     async def warm_up(self) -> None:
         """Load the encoder, register the cache, build every bucket graph, start the engine; then ready.
@@ -289,7 +292,8 @@ class EncoderServer:
     def _handshake_extra(self) -> pb2.HandshakeResponse:
         assert self.transport is not None and self._preprocess_proto is not None
         return self.transport.fill_handshake(
-            pb2.HandshakeResponse(preprocess=self._preprocess_proto, weights_digest=self._weights_digest))
+            pb2.HandshakeResponse(preprocess=self._preprocess_proto, weights_digest=self._weights_digest,
+                                  encoder_id=self.encoder_id))
 
     # --- background --------------------------------------------------------------------------
 

@@ -185,6 +185,7 @@ class EncoderConnection:
         self.target = target
         self.expected_weights_digest = expected_weights_digest
         self.weights_digest = ""  # announced by the current incarnation
+        self.encoder_id = ""  # the name it announces (survives restarts); "" until the first handshake
         self.model_id = model_id
         self.consumer_id = consumer_id
         self.transport = transport
@@ -275,6 +276,7 @@ class EncoderConnection:
             raise WeightsMismatchError(self.target, expected, resp.weights_digest)
         self._peer = self.transport.connect(resp, endpoint=self.target)
         self.weights_digest = resp.weights_digest
+        self.encoder_id = resp.encoder_id
         self._layout = layout
         self._media = (params_from_proto(resp.preprocess), resp.preprocess.fingerprint)
         self.incarnation_id = resp.incarnation_id

@@ -18,9 +18,12 @@ cluster without a restart:
   before). Items already leased on a non-ready encoder are still pulled and
   released there: the client calls that connection directly.
 
-Rendezvous runs over the targets as listed or resolved: per-pod DNS names
-(the StatefulSet's) keep an item's encoder across pod restarts; addresses
-from a headless Service do not (a restarted pod may come back on another IP).
+- **Identity.** Encoders are ranked for an item by the name each announces in
+  its handshake (``--encoder-id``; the pod's host name and port by default),
+  not by address: behind a headless Service a restarted pod comes back on
+  another IP and keeps its items. When there is more than one encoder the
+  pool handshakes with each ready one as it appears (once per incarnation, as
+  the first call would); until then an encoder is ranked by its address.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2
 
-from common.errors import ConfigError
+from common.errors import ConfigError, EpdError, WeightsMismatchError
 from common.metrics import PrefillMetrics
 from prefill_client.encoder_conn import EncoderConnection
 from prefill_client.routing import rendezvous_order, resolve_targets
@@ -46,12 +49,19 @@ HEALTH_TIMEOUT_S = 0.5
 # How long a connection to an encoder that left the list stays open: its queued lease
 # releases go out meanwhile (they get at least MIN_RELEASE_TIMEOUT_S each).
 RETIRE_GRACE_S = 10.0
+# An encoder serving other vision weights (WeightsMismatchError) is asked again after this long:
+# it may have rolled to the expected ones.
+REFUSED_RETRY_S = 30.0
 
 
 @dataclass(slots=True)
 class _Member:
     conn: EncoderConnection
     ready: bool = True  # until the first probe says otherwise
+    refused_until: float = 0.0  # serves other vision weights: no new items, no handshake before then
+
+    def takes_items(self, now: float) -> bool:
+        return self.ready and self.refused_until <= now
 
 
 class EncoderPool:
@@ -82,6 +92,7 @@ class EncoderPool:
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._probe()
+        self._identify()
         self._thread: threading.Thread | None = None
         if refresh_interval_s > 0:
             self._thread = threading.Thread(target=self._run, name="epd-encoder-pool", daemon=True)
@@ -113,18 +124,20 @@ class EncoderPool:
         members = dict(self._members)
         if len(members) <= 1:
             return list(members)
-        ranked = rendezvous_order(key(), list(members))
-        ready = [t for t in ranked if members[t].ready]
+        names = {t: m.conn.encoder_id for t, m in members.items() if m.conn.encoder_id}
+        ranked = rendezvous_order(key(), list(members), names)
+        now = time.monotonic()
+        ready = [t for t in ranked if members[t].takes_items(now)]
         if ready and ready[0] != ranked[0]:
             self.metrics.routed_away.inc()
-        return ready + [t for t in ranked if not members[t].ready]
+        return ready + [t for t in ranked if not members[t].takes_items(now)]
 
     def report_down(self, target: str) -> None:
         """A call to ``target`` failed as if it were gone: route around it and refresh now."""
         member = self._members.get(target)
         if member is not None:
             member.ready = False
-        self.metrics.encoders_ready.set(sum(m.ready for m in self._members.values()))
+        self._count()
         self._wake.set()
 
     # --- refresh -----------------------------------------------------------------------------
@@ -150,6 +163,7 @@ class EncoderPool:
         if added or gone:
             logger.info("encoders: %d known (added %s, left %s)", len(found), added or "none", gone or "none")
         self._probe()
+        self._identify()
         self._close_retired(time.monotonic())
 
     def _probe(self) -> None:
@@ -165,8 +179,35 @@ class EncoderPool:
             if ready != member.ready:
                 logger.info("encoder %s is %s", target, "ready" if ready else "not ready (no new items)")
             member.ready = ready
+        self._count()
+
+    def _count(self) -> None:
+        members = list(self._members.values())
+        now = time.monotonic()
         self.metrics.encoders_known.set(len(members))
-        self.metrics.encoders_ready.set(sum(m.ready for _, m in members))
+        self.metrics.encoders_ready.set(sum(m.takes_items(now) for m in members))
+
+    def _identify(self) -> None:
+        """Handshake with ready encoders not handshaken yet, to rank them by their announced names.
+
+        One encoder needs no ranking (and no early handshake). A failure leaves it ranked by
+        address; its own calls report the error.
+        """
+        members = list(self._members.values())
+        if len(members) <= 1:
+            return
+        now = time.monotonic()
+        for member in members:
+            if member.ready and not member.conn.incarnation_id and member.refused_until <= now:
+                try:
+                    member.conn.peer()
+                except WeightsMismatchError as exc:
+                    # Unusable for this client until it rolls: asked again only after a while.
+                    member.refused_until = now + REFUSED_RETRY_S
+                    logger.warning("%s; no items go there (asked again in %.0f s)", exc, REFUSED_RETRY_S)
+                except (EpdError, grpc.RpcError) as exc:
+                    logger.debug("encoder %s not identified yet: %s", member.conn.target, exc)
+        self._count()
 
     def _close_retired(self, now: float) -> None:
         with self._lock:

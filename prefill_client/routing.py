@@ -16,17 +16,22 @@ from __future__ import annotations
 
 import hashlib
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from common.errors import ConfigError
 
 
-def rendezvous_order(key: str, targets: Sequence[str]) -> list[str]:
-    """Targets from most to least preferred for ``key`` (highest random weight first)."""
+def rendezvous_order(key: str, targets: Sequence[str], identity: Mapping[str, str] | None = None) -> list[str]:
+    """Targets from most to least preferred for ``key`` (highest random weight first).
+
+    A target's weight comes from ``identity[target]`` when given (the name an encoder announces,
+    which survives its restarts), else from the target itself.
+    """
 
     def score(target: str) -> int:
-        digest = hashlib.blake2b(f"{target}|{key}".encode(), digest_size=8).digest()
+        name = identity.get(target, target) if identity is not None else target
+        digest = hashlib.blake2b(f"{name}|{key}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big")
 
     return sorted(targets, key=lambda t: (score(t), t), reverse=True)

@@ -83,7 +83,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., consumer_id: _Optional[str] = ..., expected_layout: _Optional[_Union[CacheLayout, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "incarnation_id", "agent_name", "agent_metadata", "layout", "buffer_region", "min_hold_ms", "lease_ttl_ms", "compatibility_hash", "transport", "preprocess", "stamp_region", "weights_digest")
+    __slots__ = ("protocol_version", "model_id", "incarnation_id", "agent_name", "agent_metadata", "layout", "buffer_region", "min_hold_ms", "lease_ttl_ms", "compatibility_hash", "transport", "preprocess", "stamp_region", "weights_digest", "encoder_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class HandshakeResponse(_message.Message):
     PREPROCESS_FIELD_NUMBER: _ClassVar[int]
     STAMP_REGION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     incarnation_id: str
@@ -112,7 +113,8 @@ class HandshakeResponse(_message.Message):
     preprocess: PreprocessParams
     stamp_region: MemoryRegion
     weights_digest: str
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., buffer_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., min_hold_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., transport: _Optional[str] = ..., preprocess: _Optional[_Union[PreprocessParams, _Mapping]] = ..., stamp_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., weights_digest: _Optional[str] = ...) -> None: ...
+    encoder_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., buffer_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., min_hold_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., transport: _Optional[str] = ..., preprocess: _Optional[_Union[PreprocessParams, _Mapping]] = ..., stamp_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., weights_digest: _Optional[str] = ..., encoder_id: _Optional[str] = ...) -> None: ...
 
 class PreprocessParams(_message.Message):
     __slots__ = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "fingerprint", "video_min_pixels", "video_max_pixels", "video_sample_fps")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,19 +51,23 @@ def _encodes(metrics_port: int) -> float:
 
 
 class Images:
-    """Fresh images, picked so that some prefer a given encoder."""
+    """Fresh images, picked so that some prefer a given encoder, ranked as ``client`` ranks encoders
+    (by the names they announced, by address where it has none yet)."""
 
-    def __init__(self) -> None:
+    def __init__(self, client: EncoderCacheClient) -> None:
+        self.client = client
         self.seed = 1000
 
     def preferring(self, target: str, targets: list[str], count: int, others: int) -> list[bytes]:
         """``count`` images whose first encoder is ``target`` and ``others`` whose first is not."""
+        conns = [self.client.connection(t) for t in targets]
+        names = {c.target: c.encoder_id for c in conns if c is not None and c.encoder_id}
         mine: list[bytes] = []
         rest: list[bytes] = []
         while len(mine) < count or len(rest) < others:
             self.seed += 1
             data = image_bytes(48 + self.seed % 5 * 16, 64, seed=self.seed)
-            first = rendezvous_order(MediaSpec.image(data).key(), targets)[0]
+            first = rendezvous_order(MediaSpec.image(data).key(), targets, names)[0]
             if first == target and len(mine) < count:
                 mine.append(data)
             elif first != target and len(rest) < others:
@@ -113,16 +118,19 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
     e0, e1, e2 = encoders
     listing = tmp_path / "encoders.txt"
     listing.write_text(f"{e0.target}\n{e1.target}\n")
-    images = Images()
     with EncoderCacheClient(f"file:{listing}", MODEL, transport_kind="mock",
                             membership_refresh_s=REFRESH_S) as client:
+        images = Images(client)
         assert client.targets == (e0.target, e1.target)
+        # Identified at once (more than one encoder), by the default name: host name and port.
+        assert client.connection(e0.target).encoder_id == f"{socket.gethostname()}:{e0.port}"  # type: ignore[union-attr]
         two = [e0.target, e1.target]
         assert set(_encode_verified(client, images.preferring(e1.target, two, 3, 3))) == set(two)
 
         # Join: listed, it takes the items that prefer it, with no client restart.
         listing.write_text(f"{e0.target}\n{e1.target}\n{e2.target}\n")
-        _wait("the new encoder is known", lambda: e2.target in client.targets)
+        _wait("the new encoder is known by its name",
+              lambda: e2.target in client.targets and bool(client.connection(e2.target).encoder_id))  # type: ignore[union-attr]
         three = [e0.target, e1.target, e2.target]
         joined = images.preferring(e2.target, three, 4, 2)
         assert _encode_verified(client, joined)[:4] == [e2.target] * 4

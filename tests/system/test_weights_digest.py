@@ -29,7 +29,7 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[E
         for name, seed in (("A", 11), ("B", 12)):
             path = write_vision_checkpoint(tmp_path_factory.mktemp(f"ckpt{name}"), seed=seed)
             enc = start_encoder(tmp_path_factory.mktemp(f"enc{name}"), "--transport", "mock",
-                                "--weights", str(path), "--cache-dtype", "float32")
+                                "--weights", str(path), "--cache-dtype", "float32", "--encoder-id", f"enc-{name}")
             out[name] = (enc, checkpoint_digest(path), Reference(str(path)))
         yield out
     finally:
@@ -37,11 +37,13 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[E
             enc.terminate()
 
 
-def _image_preferring(target: str, targets: list[str]) -> bytes:
-    """An image whose rendezvous order puts ``target`` first."""
+def _image_preferring(target: str, client: EncoderCacheClient) -> bytes:
+    """An image whose rendezvous order, as ``client`` ranks its encoders, puts ``target`` first."""
+    conns = [client.connection(t) for t in client.targets]
+    names = {c.target: c.encoder_id for c in conns if c is not None and c.encoder_id}
     for seed in range(200):
         data = image_bytes(64, 64, seed=seed)
-        if rendezvous_order(MediaSpec.image(data).key(), targets)[0] == target:
+        if rendezvous_order(MediaSpec.image(data).key(), list(client.targets), names)[0] == target:
             return data
     raise AssertionError("no image prefers " + target)
 
@@ -51,17 +53,20 @@ def test_a_client_takes_rows_only_from_the_weights_it_expects(pods: dict[str, tu
     (enc_a, digest_a, ref_a), (enc_b, digest_b, ref_b) = pods["A"], pods["B"]
     assert digest_a != digest_b
     targets = [enc_a.target, enc_b.target]
-    on_b = _image_preferring(enc_b.target, targets)  # B first in rendezvous order
     for expected, ref, other_ref in ((digest_a, ref_a, ref_b), (digest_b, ref_b, ref_a)):
         with EncoderCacheClient(targets, MODEL, transport_kind="mock", weights_digest=expected) as client:
+            on_b = _image_preferring(enc_b.target, client)  # B first in this client's rendezvous order
+            refusals = client.metrics.handshakes.labels(result="weights_mismatch")._value.get()
             [item] = client.encode([MediaSpec.image(on_b)])
             assert item.weights_digest == expected
+            assert client.connection(item.encoder).encoder_id == ("enc-A" if expected == digest_a else "enc-B")  # type: ignore[union-attr]
             assert item.encoder == (enc_a.target if expected == digest_a else enc_b.target)
             assert matches(item.embeddings, ref.image(on_b))
             assert not matches(item.embeddings, other_ref.image(on_b))  # the weights really differ
-            refused = "weights_mismatch" if expected == digest_a else None
-            if refused:
-                assert client.metrics.handshakes.labels(result=refused)._value.get() >= 1
+            if expected == digest_a:  # B, refused at the client's start, is not even tried: routed away
+                assert refusals == 1
+                assert client.metrics.handshakes.labels(result="weights_mismatch")._value.get() == refusals
+                assert client.metrics.routed_away._value.get() == 1
 
 
 def test_refusal_names_both_digests(pods: dict[str, tuple[EncoderProcess, str, Reference]]) -> None:
@@ -75,6 +80,7 @@ def test_refusal_names_both_digests(pods: dict[str, tuple[EncoderProcess, str, R
         with pytest.raises(ECLoadFailure) as lookup_err:
             client.lookup(["0" * 32])
         assert digest_a in str(lookup_err.value) and digest_b in str(lookup_err.value)
+        assert client.connection(enc_b.target).encoder_id == ""  # refused: nothing taken from it
         with pytest.raises(WeightsMismatchError) as direct:
             client.connection(enc_b.target).peer()  # type: ignore[union-attr]
         assert (direct.value.expected, direct.value.got) == (digest_a, digest_b)

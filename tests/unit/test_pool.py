@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from common.errors import ConfigError
+from common.errors import ConfigError, WeightsMismatchError
 from common.metrics import PrefillMetrics
 from prefill_client import pool as pool_module
 from prefill_client.pool import EncoderPool
@@ -37,13 +37,27 @@ class _Answer:
 
 
 class FakeConnection:
-    """The two methods of EncoderConnection the pool uses, with the status a test sets."""
+    """What the pool uses of EncoderConnection, with the status and announced names a test sets."""
 
     status: dict[str, int | None] = {}
+    names: dict[str, str] = {}  # target -> the encoder_id its handshake announces (absent: refused)
 
     def __init__(self, target: str) -> None:
         self.target = target
         self.closed = False
+        self.encoder_id = ""
+        self.incarnation_id = ""
+        self.handshakes = 0
+
+    wrong_weights: set[str] = set()
+
+    def peer(self) -> None:
+        self.handshakes += 1
+        if self.target in self.wrong_weights:
+            raise WeightsMismatchError(self.target, "b3:expected", "b3:other")
+        if self.target not in self.names:
+            raise ConfigError(f"{self.target} refuses the handshake")
+        self.encoder_id, self.incarnation_id = self.names[self.target], "inc"
 
     def readiness(self, timeout_s: float) -> _Answer:
         return _Answer(self.status.get(self.target, SERVING))
@@ -54,7 +68,7 @@ class FakeConnection:
 
 @pytest.fixture
 def listing(tmp_path: Path) -> Iterator[Path]:
-    FakeConnection.status = {}
+    FakeConnection.status, FakeConnection.names, FakeConnection.wrong_weights = {}, {}, set()
     path = tmp_path / "encoders"
     path.write_text("# three encoders\nh1:1\nh2:2  # second\n\nh3:3\n")
     yield path
@@ -155,3 +169,62 @@ def test_the_background_refresh_follows_the_file(listing: Path) -> None:
         pool.close()
     assert last is not None and last.closed  # type: ignore[attr-defined]
     assert pool.targets == ()
+
+
+def test_encoders_are_ranked_by_the_name_they_announce(tmp_path: Path) -> None:
+    """A restarted encoder on another address (a pod behind a headless Service) keeps its items."""
+    FakeConnection.status = {}
+    FakeConnection.names = {"10.0.0.1:1": "enc-0", "10.0.0.2:1": "enc-1", "10.0.0.3:1": "enc-2",
+                            "10.0.0.9:1": "enc-1"}
+    before, after = tmp_path / "before", tmp_path / "after"
+    before.write_text("10.0.0.1:1\n10.0.0.2:1\n10.0.0.3:1\n")
+    after.write_text("10.0.0.1:1\n10.0.0.9:1\n10.0.0.3:1\n")  # enc-1 came back on another IP
+    old, new = (EncoderPool([f"file:{p}"], FakeConnection, PrefillMetrics(), refresh_interval_s=0)  # type: ignore[arg-type]
+                for p in (before, after))
+    def moved(first_before: Callable[[str], str], first_after: Callable[[str], str]) -> int:
+        renamed = {"10.0.0.2:1": "10.0.0.9:1"}
+        keys = [f"item-{i}" for i in range(200)]
+        return sum(renamed.get(first_before(k), first_before(k)) != first_after(k) for k in keys)
+
+    assert moved(lambda k: old.order(lambda: k)[0], lambda k: new.order(lambda: k)[0]) == 0
+    # Ranked by address instead, about a third of the items would have moved.
+    assert moved(lambda k: rendezvous_order(k, list(old.targets))[0],
+                 lambda k: rendezvous_order(k, list(new.targets))[0]) > 20
+
+
+def test_an_encoder_that_refuses_the_handshake_is_ranked_by_address(listing: Path) -> None:
+    FakeConnection.names = {"h1:1": "a", "h3:3": "c"}  # h2 refuses
+    pool = _pool(listing)
+    conns = {t: pool.conn(t) for t in pool.targets}
+    assert [c.encoder_id for c in conns.values()] == ["a", "", "c"]  # type: ignore[union-attr]
+    key = "x"
+    names = {"h1:1": "a", "h3:3": "c"}
+    assert pool.order(lambda: key) == rendezvous_order(key, list(pool.targets), names)
+    pool.refresh()  # tried again, still refused; the identified ones are not asked again
+    assert [c.handshakes for c in conns.values()] == [1, 2, 1]  # type: ignore[union-attr]
+
+
+def test_one_encoder_needs_no_early_handshake(tmp_path: Path) -> None:
+    FakeConnection.names = {"h1:1": "a"}
+    pool = EncoderPool(["h1:1"], FakeConnection, PrefillMetrics(), refresh_interval_s=0)  # type: ignore[arg-type]
+    assert pool.conn("h1:1").handshakes == 0  # type: ignore[union-attr]
+
+
+def test_an_encoder_of_other_weights_gets_no_items(listing: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeConnection.names = {"h1:1": "a", "h2:2": "b", "h3:3": "c"}
+    FakeConnection.wrong_weights = {"h2:2"}
+    metrics = PrefillMetrics()
+    pool = _pool(listing, metrics)
+    key = next(k for k in (f"item-{i}" for i in range(1000))
+               if rendezvous_order(k, list(pool.targets), {"h1:1": "a", "h2:2": "h2:2", "h3:3": "c"})[0] == "h2:2")
+    assert pool.order(lambda: key)[-1] == "h2:2"
+    assert metrics.encoders_ready._value.get() == 2
+    pool.refresh()  # not asked again so soon
+    h2 = pool.conn("h2:2")
+    assert h2 is not None and h2.handshakes == 1  # type: ignore[attr-defined]
+    # Rolled to the expected weights: asked again once the pause is over, then it takes items.
+    monkeypatch.setattr(pool_module, "REFUSED_RETRY_S", 0.0)
+    FakeConnection.wrong_weights = set()
+    pool._members["h2:2"].refused_until = 0.0  # noqa: SLF001 - the pause, over
+    pool.refresh()
+    assert h2.encoder_id == "b" and metrics.encoders_ready._value.get() == 3  # type: ignore[attr-defined]
