@@ -74,6 +74,7 @@ EPD_LEASES_ACTIVE = "epd_encoder_leases_active"
 EPD_LEASES_EXPIRED = "epd_encoder_leases_expired"
 EPD_LEASES_DROPPED = "epd_encoder_leases_dropped"
 EPD_WARMUP_BUCKETS = "epd_encoder_warmup_buckets"
+EPD_QUEUE_TOKENS = "epd_encoder_queue_tokens"
 EPD_WARMUP_BUCKETS_READY = "epd_encoder_warmup_buckets_ready"
 
 _PULL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -140,6 +141,10 @@ class EncoderMetrics(InputProcessorMetrics):
         self.leases_dropped = Counter(
             EPD_LEASES_DROPPED, "Leases of answers that could not reach their caller (deadline passed, "
             "call cancelled), given back at once", registry=r)
+        # Load: what an autoscaler scales the encoders on (deploy/components/autoscaling/).
+        self.queue_tokens = Gauge(
+            EPD_QUEUE_TOKENS, "Merged tokens of cache misses waiting for or in an encoder run",
+            registry=r, multiprocess_mode="sum")
         # Start-up progress: /metrics is up while the bucket graphs are still being built.
         self.warmup_buckets = Gauge(
             EPD_WARMUP_BUCKETS, "Bucket graphs the encoder builds before it is ready",

@@ -228,6 +228,7 @@ class EncoderEngine:
         # grid_thw of each cached item, for the response; pruned in housekeeping().
         self._grids: dict[str, tuple[int, ...]] = {}
         self._pending: collections.deque[_Job] = collections.deque()  # misses waiting for a run
+        self._queued_tokens = 0  # merged tokens of the misses waiting or running (epd_encoder_queue_tokens)
         self._wake: asyncio.Event | None = None
         self._batcher: asyncio.Task[None] | None = None
         self._admit_lock: asyncio.Lock | None = None
@@ -489,6 +490,8 @@ class EncoderEngine:
         assert self._wake is not None
         self._pending.extend(jobs)
         if jobs:
+            self._queued_tokens += sum(job.item.num_tokens for job in jobs)
+            self.metrics.queue_tokens.set(self._queued_tokens)
             self._wake.set()
 
     async def _batch_loop(self) -> None:
@@ -507,7 +510,11 @@ class EncoderEngine:
             while pending and tokens + pending[0].item.num_tokens <= self.batch_tokens:
                 tokens += pending[0].item.num_tokens
                 batch.append(pending.popleft())
-            await self._run_batch(loop, batch)
+            try:
+                await self._run_batch(loop, batch)
+            finally:
+                self._queued_tokens -= sum(job.item.num_tokens for job in batch)
+                self.metrics.queue_tokens.set(self._queued_tokens)
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:
         cache = self.cache

@@ -432,3 +432,32 @@ def test_readme_covers_every_variant() -> None:
         assert f"deploy/overlays/{overlay}" in readme
     for topic in ("scale", "rollout", "memlock", "epd-dashboard.json"):
         assert topic in readme
+
+
+def test_autoscaling_component_scales_the_encoders_on_an_exported_metric(tmp_path: Path) -> None:
+    """The HPA example, applied on top of the cpu overlay: strict-valid, aimed at the encoder
+    StatefulSet, on a series the encoder exports, scaling down one draining pod at a time."""
+    kubectl = dh.kubectl()
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the kustomize overlays cannot be rendered offline")
+    # An overlay of our own under deploy/ (kustomize loads components from below its root only).
+    overlay = DEPLOY / "overlays" / ".autoscaling-test"
+    overlay.mkdir()
+    try:
+        (overlay / "kustomization.yaml").write_text(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: epd\n"
+            "resources:\n  - ../cpu\ncomponents:\n  - ../../components/autoscaling\n")
+        r = dh.render(kubectl, overlay)
+    finally:
+        (overlay / "kustomization.yaml").unlink(missing_ok=True)
+        overlay.rmdir()
+    hpa = r.one("HorizontalPodAutoscaler", "epd-encoder")
+    kubernetes_validate.validate(hpa, K8S_VERSION, strict=True)
+    target = hpa["spec"]["scaleTargetRef"]
+    sts = r.one(target["kind"], target["name"])
+    assert target["kind"] == "StatefulSet" and sts["metadata"]["namespace"] == hpa["metadata"]["namespace"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] in _exported_series()
+    down = hpa["spec"]["behavior"]["scaleDown"]
+    assert down["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 120}]
+    assert down["stabilizationWindowSeconds"] >= 60
