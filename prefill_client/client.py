@@ -304,7 +304,7 @@ class EncoderCacheClient:
     def _with_failover(self, key: Callable[[], str], first: str,
                        call: Callable[[EncoderConnection], list[PulledItem]]) -> list[PulledItem]:
         """Run ``call(conn)`` on the item's encoder, moving down the rendezvous order when one is down."""
-        last_exc: Exception | None = None
+        reasons: list[str] = []
         for target in self._failover_order(key, first):
             conn = self._pool.conn(target)
             if conn is None:  # left the list meanwhile
@@ -314,8 +314,9 @@ class EncoderCacheClient:
             except _EncoderDown as exc:
                 logger.warning("encoder %s is down (%s); trying the next one", target, exc)
                 self._pool.report_down(target)
-                last_exc = exc
-        raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=key(), detail=f"no encoder reachable: {last_exc}")
+                reasons.append(f"{target}: {exc}")
+        raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=key(),
+                         detail=f"no encoder reachable ({'; '.join(reasons) or 'none known'})")
 
     def _failover_order(self, key: Callable[[], str], first: str) -> Iterator[str]:
         yield first  # the rest (and the key) only when the first choice is down
