@@ -120,7 +120,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     parser.add_argument("--transport", default="auto", help="auto, nixl or mock")
-    parser.add_argument("--items", type=int, default=192, help="distinct images (a quarter moving has a spread of about 3 %% at 192)")
+    parser.add_argument("--items", type=int, default=192,
+                        help="distinct images (the share that moves spreads by about 3 %% at 192)")
     parser.add_argument("--refresh-s", type=float, default=0.5, help="the client's membership refresh")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

@@ -161,6 +161,12 @@ class TlsConfig:
             raise ConfigError(f"--tls-cert and --tls-key go together, got cert={self.cert!r} key={self.key!r}")
 
 
+KEEP_FREED_MEMORY_HELP = (
+    "keep freed memory for reuse (glibc mallopt: buffers up to 64 MiB from the heap, up to 256 MiB of freed "
+    "memory kept): requests of tens of MB otherwise page-fault fresh memory each time (common/malloc.py; "
+    "true/false)")
+
+
 @dataclass(frozen=True)
 class EncoderServerConfig:
     """Everything ``epd encoder`` needs."""
@@ -189,7 +195,7 @@ class EncoderServerConfig:
              "neuron, or auto (compile, measured faster than eager on CPU)")
     keep_freed_memory: bool = setting(
         True, env="EPD_KEEP_FREED_MEMORY",
-        help="keep freed memory for reuse (glibc mallopt: buffers up to 64 MiB from the heap, up to 256 MiB of freed memory kept): requests of tens of MB otherwise page-fault fresh memory each time (common/malloc.py; true/false)")
+        help=KEEP_FREED_MEMORY_HELP)
     encoder_id: str | None = setting(
         None, env="EPD_ENCODER_ID",
         help="this encoder's name in the handshake, the key consumers rank encoders by for an item: it must "
@@ -311,7 +317,7 @@ class PrefillConfig:
              "encoders of any weights are accepted, their items kept apart by digest")
     keep_freed_memory: bool = setting(
         True, env="EPD_KEEP_FREED_MEMORY",
-        help="keep freed memory for reuse (glibc mallopt: buffers up to 64 MiB from the heap, up to 256 MiB of freed memory kept): requests of tens of MB otherwise page-fault fresh memory each time (common/malloc.py; true/false)")
+        help=KEEP_FREED_MEMORY_HELP)
     compile_graph: bool = setting(
         False, env="EPD_COMPILE", flag="--compile", help="torch.compile the prefill graph (true/false)")
     tls: TlsConfig = field(default_factory=TlsConfig)

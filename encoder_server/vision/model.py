@@ -123,7 +123,8 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame_len
     return sdpa_frame_attention(q, k, v, frame_lengths)
 
 
-def sdpa_frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame_lengths: torch.Tensor) -> torch.Tensor:
+def sdpa_frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         frame_lengths: torch.Tensor) -> torch.Tensor:
     """:func:`frame_attention` with torch's SDPA: one unmasked call per run of equal-length frames.
 
     Every frame gets the backend's fast kernel (flash attention on CUDA and CPU).

@@ -24,6 +24,7 @@ from common.weights_digest import checkpoint_digest
 from prefill_client.client import EncoderCacheClient
 from prefill_client.encoder_conn import MediaSpec
 from tests.support.checkpoints import write_vision_checkpoint
+from tests.reliability.support import wait_until
 from tests.support.media import image_bytes
 from tests.support.procs import EncoderProcess, start_encoder
 from tests.support.reference import Reference, matches
@@ -33,14 +34,6 @@ REFRESH_S = 0.2
 SETTLE_S = 15.0
 MAX_CALLS = 5000  # per client: the load is bounded in count as well as in time
 PHASE_S = 1.5
-
-
-def _wait(what: str, done: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + SETTLE_S
-    while not done():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {SETTLE_S} s: {what}")
-        time.sleep(0.05)
 
 
 @dataclass
@@ -147,18 +140,19 @@ def test_scale_up_then_drain_and_kill_under_steady_load(tmp_path: Path, procs: l
         [e3] = _start_many(tmp_path, ())
         procs.append(e3)
         listing.write_text(f"{e0.target}\n{e1.target}\n{e2.target}\n{e3.target}\n")
-        _wait("every client ranks the new encoder", lambda: all(_knows(load.client, e3.target) for load in loads))
+        wait_until(lambda: all(_knows(load.client, e3.target) for load in loads), SETTLE_S,
+                   "every client ranks the new encoder")
         known_at = time.monotonic()
-        _wait("every client asked for every image again", lambda: all(
-            len({r.image for r in load.records if r.at > known_at}) == len(images) for load in loads))
+        wait_until(lambda: all(len({r.image for r in load.records if r.at > known_at}) == len(images)
+                               for load in loads), SETTLE_S, "every client asked for every image again")
 
         # Scale down: e1 drains on SIGTERM, e2 is killed outright; both leave the list.
         e1.proc.send_signal(signal.SIGTERM)
         e2.kill()
         killed_at = time.monotonic()
         listing.write_text(f"{e0.target}\n{e3.target}\n")
-        _wait("every client dropped the removed encoders", lambda: all(
-            set(load.client.targets) == {e0.target, e3.target} for load in loads))
+        wait_until(lambda: all(set(load.client.targets) == {e0.target, e3.target} for load in loads), SETTLE_S,
+                   "every client dropped the removed encoders")
         assert e1.proc.wait(30) == 0, e1.log()
         settled = time.monotonic()
         time.sleep(PHASE_S)
@@ -189,7 +183,8 @@ def test_scale_up_then_drain_and_kill_under_steady_load(tmp_path: Path, procs: l
 def test_rolling_new_weights_never_mixes_them(tmp_path: Path, procs: list[EncoderProcess]) -> None:
     """Old pods serve weights A, new pods B; the clients expecting A and B each take rows from their
     own weights only, and are told (naming both digests) when none of theirs is left."""
-    paths = {name: write_vision_checkpoint(tmp_path / f"ckpt-{name}", seed=seed) for name, seed in (("A", 21), ("B", 22))}
+    paths = {name: write_vision_checkpoint(tmp_path / f"ckpt-{name}", seed=seed)
+             for name, seed in (("A", 21), ("B", 22))}
     digests = {name: checkpoint_digest(path) for name, path in paths.items()}
     refs = {name: Reference(str(path)) for name, path in paths.items()}
     images = [image_bytes(48, 48 + 16 * (i % 3), seed=900 + i) for i in range(24)]
@@ -206,8 +201,8 @@ def test_rolling_new_weights_never_mixes_them(tmp_path: Path, procs: list[Encode
         b1, b2 = procs[2:]
         listing.write_text(f"{a1.target}\n{a2.target}\n{b1.target}\n{b2.target}\n")
         b_known = time.monotonic()
-        _wait("the client expecting B is served", lambda: any(
-            r.error is None and r.at > b_known for r in loads["B"].records))
+        wait_until(lambda: any(r.error is None and r.at > b_known for r in loads["B"].records), SETTLE_S,
+                   "the client expecting B is served")
         # The old pods drain and leave.
         for old in (a1, a2):
             old.proc.send_signal(signal.SIGTERM)
@@ -215,8 +210,8 @@ def test_rolling_new_weights_never_mixes_them(tmp_path: Path, procs: list[Encode
         for old in (a1, a2):
             assert old.proc.wait(30) == 0, old.log()
         a_gone = time.monotonic()
-        _wait("the client expecting A is refused", lambda: any(
-            r.error is not None and r.at > a_gone for r in loads["A"].records))
+        wait_until(lambda: any(r.error is not None and r.at > a_gone for r in loads["A"].records), SETTLE_S,
+                   "the client expecting A is refused")
 
     for name, load in loads.items():
         assert not load.wrong, load.wrong  # rows always of its own weights

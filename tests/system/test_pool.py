@@ -24,6 +24,7 @@ from common.metrics import EPD_ENCODE_REQUESTS
 from prefill_client.client import EncoderCacheClient
 from prefill_client.encoder_conn import MediaSpec
 from prefill_client.routing import rendezvous_order
+from tests.reliability.support import wait_until
 from tests.support.media import image_bytes
 from tests.support.procs import EncoderProcess, start_encoder
 from tests.support.reference import Reference, matches
@@ -33,14 +34,6 @@ MODEL = "tiny-qwen3-vl"
 REF = Reference()
 REFRESH_S = 0.2
 SETTLE_S = 10.0  # bound on waiting for the client to see a change
-
-
-def _wait(what: str, done: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + SETTLE_S
-    while not done():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {SETTLE_S} s: {what}")
-        time.sleep(0.05)
 
 
 def _encodes(metrics_port: int) -> float:
@@ -108,7 +101,7 @@ def _spawn_warming(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, int]:
            "--listening-file", str(listening)]
     with open(tmp_path / "warming.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    _wait("the warming encoder listens", listening.exists)
+    wait_until(listening.exists, SETTLE_S, "the warming encoder listens")
     ports = json.loads(listening.read_text())
     return proc, f"127.0.0.1:{ports['port']}", int(ports["metrics_port"])
 
@@ -123,14 +116,15 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
         images = Images(client)
         assert client.targets == (e0.target, e1.target)
         # Identified at once (more than one encoder), by the default name: host name and port.
-        assert client.connection(e0.target).encoder_id == f"{socket.gethostname()}:{e0.port}"  # type: ignore[union-attr]
+        conn = client.connection(e0.target)
+        assert conn is not None and conn.encoder_id == f"{socket.gethostname()}:{e0.port}"
         two = [e0.target, e1.target]
         assert set(_encode_verified(client, images.preferring(e1.target, two, 3, 3))) == set(two)
 
         # Join: listed, it takes the items that prefer it, with no client restart.
         listing.write_text(f"{e0.target}\n{e1.target}\n{e2.target}\n")
-        _wait("the new encoder is known by its name",
-              lambda: e2.target in client.targets and bool(client.connection(e2.target).encoder_id))  # type: ignore[union-attr]
+        wait_until(lambda: e2.target in client.targets and bool(getattr(client.connection(e2.target), "encoder_id", "")),
+                   SETTLE_S, "the new encoder is known by its name")
         three = [e0.target, e1.target, e2.target]
         joined = images.preferring(e2.target, three, 4, 2)
         assert _encode_verified(client, joined)[:4] == [e2.target] * 4
@@ -139,7 +133,7 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
         proc, warming, warming_metrics = _spawn_warming(tmp_path)
         try:
             listing.write_text("\n".join([*three, warming]) + "\n")
-            _wait("the warming encoder is known", lambda: warming in client.targets)
+            wait_until(lambda: warming in client.targets, SETTLE_S, "the warming encoder is known")
             four = [*three, warming]
             where = _encode_verified(client, images.preferring(warming, four, 4, 2))
             assert warming not in where
@@ -149,7 +143,7 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(30)
         listing.write_text("\n".join(three) + "\n")
-        _wait("the warming encoder is gone", lambda: warming not in client.targets)
+        wait_until(lambda: warming not in client.targets, SETTLE_S, "the warming encoder is gone")
 
         # Draining: a lease held elsewhere keeps e1 draining; it gets no new Encode.
         holder = EncoderCacheClient(e1.target, MODEL, transport_kind="mock", membership_refresh_s=0)
@@ -158,7 +152,7 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
             assert conn is not None
             [held] = conn.encode([MediaSpec.image(image_bytes(40, 40, seed=5))])
             e1.proc.send_signal(signal.SIGTERM)
-            _wait("the draining encoder is not ready", lambda: not client._pool.ready(e1.target))
+            wait_until(lambda: not client._pool.ready(e1.target), SETTLE_S, "the draining encoder is not ready")
             before = _encodes(e1.metrics_port)
             where = _encode_verified(client, images.preferring(e1.target, three, 4, 2))
             assert e1.target not in where
@@ -170,7 +164,7 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
 
         # Leave: unlisted, it gets nothing new.
         listing.write_text(f"{e0.target}\n")
-        _wait("e2 left", lambda: e2.target not in client.targets)
+        wait_until(lambda: e2.target not in client.targets, SETTLE_S, "e2 left")
         before = _encodes(e2.metrics_port)
         where = _encode_verified(client, images.preferring(e2.target, three, 3, 1))
         assert e2.target not in where

@@ -59,7 +59,8 @@ def test_a_client_takes_rows_only_from_the_weights_it_expects(pods: dict[str, tu
             refusals = client.metrics.handshakes.labels(result="weights_mismatch")._value.get()
             [item] = client.encode([MediaSpec.image(on_b)])
             assert item.weights_digest == expected
-            assert client.connection(item.encoder).encoder_id == ("enc-A" if expected == digest_a else "enc-B")  # type: ignore[union-attr]
+            conn = client.connection(item.encoder)
+            assert conn is not None and conn.encoder_id == ("enc-A" if expected == digest_a else "enc-B")
             assert item.encoder == (enc_a.target if expected == digest_a else enc_b.target)
             assert matches(item.embeddings, ref.image(on_b))
             assert not matches(item.embeddings, other_ref.image(on_b))  # the weights really differ
@@ -97,4 +98,5 @@ def test_without_an_expectation_items_are_kept_apart_by_digest(
         assert a.mm_hash == b.mm_hash  # the same item for both, by content
         assert (a.weights_digest, b.weights_digest) == (digest_a, digest_b)
         assert matches(a.embeddings, ref_a.image(data)) and matches(b.embeddings, ref_b.image(data))
-        assert on_a.cached(a.mm_hash) is not None and on_a.cached(a.mm_hash).weights_digest == digest_a  # type: ignore[union-attr]
+        kept = on_a.cached(a.mm_hash)
+        assert kept is not None and kept.weights_digest == digest_a

@@ -179,8 +179,8 @@ def test_encoders_are_ranked_by_the_name_they_announce(tmp_path: Path) -> None:
     before, after = tmp_path / "before", tmp_path / "after"
     before.write_text("10.0.0.1:1\n10.0.0.2:1\n10.0.0.3:1\n")
     after.write_text("10.0.0.1:1\n10.0.0.9:1\n10.0.0.3:1\n")  # enc-1 came back on another IP
-    old, new = (EncoderPool([f"file:{p}"], FakeConnection, PrefillMetrics(), refresh_interval_s=0)  # type: ignore[arg-type]
-                for p in (before, after))
+    old, new = (EncoderPool([f"file:{p}"], FakeConnection,  # type: ignore[arg-type]
+                            PrefillMetrics(), refresh_interval_s=0) for p in (before, after))
     def moved(first_before: Callable[[str], str], first_after: Callable[[str], str]) -> int:
         renamed = {"10.0.0.2:1": "10.0.0.9:1"}
         keys = [f"item-{i}" for i in range(200)]
