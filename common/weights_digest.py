@@ -18,6 +18,7 @@ checkpoint) hashes its parameters the same way.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -90,12 +91,13 @@ def checkpoint_digest(path: str | Path) -> str:
 
 def main(argv: list[str]) -> int:
     """``epd weights-digest DIR``: print a checkpoint's vision weights digest (for ``--weights-digest``)."""
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: epd weights-digest CHECKPOINT_DIR", flush=True)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    asked = argv in (["-h"], ["--help"])
+    if asked or len(argv) != 1:
+        print("usage: epd weights-digest CHECKPOINT_DIR", file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     try:
         print(checkpoint_digest(argv[0]))
     except ConfigError as exc:
-        print(f"epd weights-digest: {exc}")
+        print(f"epd weights-digest: {exc}", file=sys.stderr)
         return 2
     return 0
