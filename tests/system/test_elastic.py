@@ -35,6 +35,13 @@ SETTLE_S = 15.0
 MAX_CALLS = 5000  # per client: the load is bounded in count as well as in time
 PHASE_S = 1.5
 
+def _write(listing: Path, text: str) -> None:
+    """Replace the target list in one step, as a ConfigMap update does: a reader never sees half of it."""
+    tmp = listing.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(listing)
+
+
 
 @dataclass
 class Record:
@@ -131,7 +138,7 @@ def test_scale_up_then_drain_and_kill_under_steady_load(tmp_path: Path, procs: l
     procs += _start_many(tmp_path, (), (), ())
     e0, e1, e2 = procs
     listing = tmp_path / "encoders.txt"
-    listing.write_text(f"{e0.target}\n{e1.target}\n{e2.target}\n")
+    _write(listing, f"{e0.target}\n{e1.target}\n{e2.target}\n")
     loads = [Load(_client(listing), images, refs, offset=20 * k) for k in range(3)]
     with Clients(loads):
         time.sleep(PHASE_S)  # steady: every image encoded once, then hits
@@ -139,7 +146,7 @@ def test_scale_up_then_drain_and_kill_under_steady_load(tmp_path: Path, procs: l
         # Scale up: a fourth encoder, listed; no client restarted.
         [e3] = _start_many(tmp_path, ())
         procs.append(e3)
-        listing.write_text(f"{e0.target}\n{e1.target}\n{e2.target}\n{e3.target}\n")
+        _write(listing, f"{e0.target}\n{e1.target}\n{e2.target}\n{e3.target}\n")
         wait_until(lambda: all(_knows(load.client, e3.target) for load in loads), SETTLE_S,
                    "every client ranks the new encoder")
         known_at = time.monotonic()
@@ -150,7 +157,7 @@ def test_scale_up_then_drain_and_kill_under_steady_load(tmp_path: Path, procs: l
         e1.proc.send_signal(signal.SIGTERM)
         e2.kill()
         killed_at = time.monotonic()
-        listing.write_text(f"{e0.target}\n{e3.target}\n")
+        _write(listing, f"{e0.target}\n{e3.target}\n")
         wait_until(lambda: all(set(load.client.targets) == {e0.target, e3.target} for load in loads), SETTLE_S,
                    "every client dropped the removed encoders")
         assert e1.proc.wait(30) == 0, e1.log()
@@ -192,35 +199,41 @@ def test_rolling_new_weights_never_mixes_them(tmp_path: Path, procs: list[Encode
     procs += _start_many(tmp_path, ("--weights", str(paths["A"])), ("--weights", str(paths["A"])))
     a1, a2 = procs
     listing = tmp_path / "encoders.txt"
-    listing.write_text(f"{a1.target}\n{a2.target}\n")
+    _write(listing, f"{a1.target}\n{a2.target}\n")
     loads = {name: Load(_client(listing, weights_digest=digests[name]), images, expected[name], offset=0)
              for name in paths}
     with Clients(list(loads.values())):
         time.sleep(PHASE_S)  # A serves; the client expecting B has no encoder of its weights yet
         procs += _start_many(tmp_path, ("--weights", str(paths["B"])), ("--weights", str(paths["B"])))
         b1, b2 = procs[2:]
-        listing.write_text(f"{a1.target}\n{a2.target}\n{b1.target}\n{b2.target}\n")
+        _write(listing, f"{a1.target}\n{a2.target}\n{b1.target}\n{b2.target}\n")
         b_known = time.monotonic()
         wait_until(lambda: any(r.error is None and r.at > b_known for r in loads["B"].records), SETTLE_S,
                    "the client expecting B is served")
         # The old pods drain and leave.
         for old in (a1, a2):
             old.proc.send_signal(signal.SIGTERM)
-        listing.write_text(f"{b1.target}\n{b2.target}\n")
+        _write(listing, f"{b1.target}\n{b2.target}\n")
         for old in (a1, a2):
             assert old.proc.wait(30) == 0, old.log()
         a_gone = time.monotonic()
         wait_until(lambda: any(r.error is not None and r.at > a_gone for r in loads["A"].records), SETTLE_S,
                    "the client expecting A is refused")
+        time.sleep(PHASE_S)  # refused while only the new pods are listed
 
     for name, load in loads.items():
         assert not load.wrong, load.wrong  # rows always of its own weights
         own = {"A": {a1.target, a2.target}, "B": {b1.target, b2.target}}[name]
         served = [r for r in load.records if r.error is None]
         assert served and all(r.encoder in own for r in served)
-        for r in load.records:
+        for r in load.records:  # every failure typed: no encoder this client may use
             if r.error is not None:
                 assert isinstance(r.error, ECLoadFailure), r.error
-                assert r.error.reason is LoadFailureReason.HANDSHAKE
-                assert digests["A"] in str(r.error) and digests["B"] in str(r.error), str(r.error)
-    assert any(r.error is not None for r in loads["B"].records if r.at < b_known)
+                assert r.error.reason is LoadFailureReason.HANDSHAKE, r.error
+    # When no encoder of its weights is left (B before its pods, A after its pods left), the refusal
+    # names both digests.
+    b_refused = [r for r in loads["B"].records if r.at < b_known and r.error is not None]
+    a_refused = [r for r in loads["A"].records if r.error is not None][-1:]  # at the end: only B pods listed
+    assert b_refused and a_refused
+    for r in b_refused + a_refused:
+        assert digests["A"] in str(r.error) and digests["B"] in str(r.error), str(r.error)

@@ -35,6 +35,13 @@ REF = Reference()
 REFRESH_S = 0.2
 SETTLE_S = 10.0  # bound on waiting for the client to see a change
 
+def _write(listing: Path, text: str) -> None:
+    """Replace the target list in one step, as a ConfigMap update does: a reader never sees half of it."""
+    tmp = listing.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(listing)
+
+
 
 def _encodes(metrics_port: int) -> float:
     """Encode calls that reached an encoder, whatever their answer (refusals included)."""
@@ -110,7 +117,7 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
         tmp_path: Path, encoders: list[EncoderProcess]) -> None:
     e0, e1, e2 = encoders
     listing = tmp_path / "encoders.txt"
-    listing.write_text(f"{e0.target}\n{e1.target}\n")
+    _write(listing, f"{e0.target}\n{e1.target}\n")
     with EncoderCacheClient(f"file:{listing}", MODEL, transport_kind="mock",
                             membership_refresh_s=REFRESH_S) as client:
         images = Images(client)
@@ -122,7 +129,7 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
         assert set(_encode_verified(client, images.preferring(e1.target, two, 3, 3))) == set(two)
 
         # Join: listed, it takes the items that prefer it, with no client restart.
-        listing.write_text(f"{e0.target}\n{e1.target}\n{e2.target}\n")
+        _write(listing, f"{e0.target}\n{e1.target}\n{e2.target}\n")
         wait_until(lambda: e2.target in client.targets and bool(getattr(client.connection(e2.target), "encoder_id", "")),
                    SETTLE_S, "the new encoder is known by its name")
         three = [e0.target, e1.target, e2.target]
@@ -132,7 +139,7 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
         # Warming up: it answers health but gets no Encode at all, even for the items that prefer it.
         proc, warming, warming_metrics = _spawn_warming(tmp_path)
         try:
-            listing.write_text("\n".join([*three, warming]) + "\n")
+            _write(listing, "\n".join([*three, warming]) + "\n")
             wait_until(lambda: warming in client.targets, SETTLE_S, "the warming encoder is known")
             four = [*three, warming]
             where = _encode_verified(client, images.preferring(warming, four, 4, 2))
@@ -142,7 +149,7 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
         finally:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(30)
-        listing.write_text("\n".join(three) + "\n")
+        _write(listing, "\n".join(three) + "\n")
         wait_until(lambda: warming not in client.targets, SETTLE_S, "the warming encoder is gone")
 
         # Draining: a lease held elsewhere keeps e1 draining; it gets no new Encode.
@@ -163,7 +170,7 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
         assert e1.proc.wait(30) == 0, e1.log()
 
         # Leave: unlisted, it gets nothing new.
-        listing.write_text(f"{e0.target}\n")
+        _write(listing, f"{e0.target}\n")
         wait_until(lambda: e2.target not in client.targets, SETTLE_S, "e2 left")
         before = _encodes(e2.metrics_port)
         where = _encode_verified(client, images.preferring(e2.target, three, 3, 1))
