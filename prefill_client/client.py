@@ -308,6 +308,7 @@ class EncoderCacheClient:
         for target in self._failover_order(key, first):
             conn = self._pool.conn(target)
             if conn is None:  # left the list meanwhile
+                reasons.append(f"{target}: left the encoder list")
                 continue
             try:
                 return call(conn)
@@ -319,8 +320,18 @@ class EncoderCacheClient:
                          detail=f"no encoder reachable ({'; '.join(reasons) or 'none known'})")
 
     def _failover_order(self, key: Callable[[], str], first: str) -> Iterator[str]:
-        yield first  # the rest (and the key) only when the first choice is down
-        yield from (t for t in self._pool.order(key) if t != first)
+        """``first``, then every other known encoder in the item's order; the rest (and the key) are
+        computed only when the first choice is down. Encoders that joined while the call ran are
+        tried too: the order is taken again until it names none that was not tried."""
+        tried = {first}
+        yield first
+        while True:
+            fresh = [t for t in self._pool.order(key) if t not in tried]
+            if not fresh:
+                return
+            for target in fresh:
+                tried.add(target)
+                yield target
 
     # --- encode + pull ----------------------------------------------------------------------
 
