@@ -513,7 +513,7 @@ class EncoderEngine:
             try:
                 await self._run_batch(loop, batch)
             finally:
-                self._queued_tokens -= sum(job.item.num_tokens for job in batch)
+                self._queued_tokens -= tokens
                 self.metrics.queue_tokens.set(self._queued_tokens)
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:

@@ -13,8 +13,9 @@ Then :meth:`EncoderServer.warm_up`:
 2. the encoder is loaded; the NIXL agent is created and the cache regions are
    allocated through it (the mock needs them in shared memory) and registered
    **once**;
-3. every bucket graph is built (warm-up writes land in the scratch block only),
-   one log line and one ``epd_encoder_warmup_buckets_ready`` step per bucket;
+3. the attention kernel is loaded (or built, once per machine), then every bucket
+   graph is built (warm-up writes land in the scratch block only), one log line and
+   one ``epd_encoder_warmup_buckets_ready`` step per bucket;
 4. the engine starts, the gate opens (the first handshake, and so the agent
    metadata snapshot, comes after the registration), and the overall status,
    ``readiness`` and the service name become SERVING.

@@ -94,7 +94,7 @@ class _LocalCache:
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = capacity_blocks
-        self._items: collections.OrderedDict[str, tuple[PulledItem, int]] = collections.OrderedDict()
+        self._items: collections.OrderedDict[tuple[str, str], tuple[PulledItem, int]] = collections.OrderedDict()
         self._blocks = 0
         self._lock = threading.Lock()
 
@@ -102,7 +102,7 @@ class _LocalCache:
         """The item, if pulled from an encoder of weights ``digest`` (None: not known yet, so no item)."""
         if digest is None:
             return None
-        key = f"{digest}|{mm_hash}"
+        key = (digest, mm_hash)
         with self._lock:
             entry = self._items.get(key)
             if entry is None:
@@ -111,7 +111,7 @@ class _LocalCache:
             return entry[0]
 
     def put(self, item: PulledItem, blocks: int) -> None:
-        key = f"{item.weights_digest}|{item.mm_hash}"
+        key = (item.weights_digest, item.mm_hash)
         with self._lock:
             if blocks > self.capacity_blocks or key in self._items:
                 return
@@ -120,7 +120,6 @@ class _LocalCache:
             while self._blocks > self.capacity_blocks:
                 _, (_, old) = self._items.popitem(last=False)
                 self._blocks -= old
-
 
 
 class EncoderCacheClient:
@@ -217,7 +216,8 @@ class EncoderCacheClient:
             try:
                 locations = conn.lookup(list(wanted))
             except WeightsMismatchError as exc:
-                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=next(iter(wanted)), detail=str(exc)) from exc
+                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=next(iter(wanted)),
+                                 detail=str(exc)) from exc
             except grpc.RpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise

@@ -17,7 +17,6 @@ cluster without a restart:
   is ready to the others, in the same order (the call then fails over as
   before). Items already leased on a non-ready encoder are still pulled and
   released there: the client calls that connection directly.
-
 - **Identity.** Encoders are ranked for an item by the name each announces in
   its handshake (``--encoder-id``; the pod's host name and port by default),
   not by address: behind a headless Service a restarted pod comes back on

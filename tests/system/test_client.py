@@ -227,8 +227,8 @@ def test_one_bad_item_of_a_batched_pull_fails_alone(tmp_path) -> None:
             assert info.value.reason is LoadFailureReason.TAG_MISMATCH
             assert len(posts) == 2, "one block READ and one tag READ for the whole batch"
             assert info.value.mm_hash == media.mm_hash(MODEL, client.media_params()[1], MediaSpec.image(a).key())
-            # What the local cache holds, by mm_hash (its keys are "weights digest|mm_hash").
-            kept = [key.split("|", 1)[1] for key in client._local._items]  # noqa: SLF001
+            # What the local cache holds, by mm_hash (its keys are (weights digest, mm_hash)).
+            kept = [mm_hash for _, mm_hash in client._local._items]  # noqa: SLF001
             assert len(kept) == 2 and info.value.mm_hash not in kept
             for h, ref in zip(kept, (REF.image(b), REF.image(c))):
                 assert matches(client.cached(h).embeddings, ref)
