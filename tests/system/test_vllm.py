@@ -1,0 +1,255 @@
+"""vLLM serves from epd-cache: ``epd encoder`` + ``vllm serve`` with EpdCacheConnector + ``epd proxy``,
+against a plain ``vllm serve`` of the same checkpoint, all real processes.
+
+The consumer vLLM is given a copy of the checkpoint whose vision weights are noise: its outputs
+can equal the baseline's only if every embedding came from the encoder.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from common.weights_digest import checkpoint_digest
+from prefill_client.client import EncoderCacheClient
+from prefill_client.encoder_conn import MediaSpec
+from tests.support.procs import EncoderProcess, start_encoder
+from tests.support.qwen3vl import noise_vision_copy, write_qwen3vl_checkpoint
+from tests.support.scrape import scrape
+from tests.support.vllm_stack import (
+    Gate,
+    Server,
+    chat_body,
+    connector_config,
+    free_port,
+    image_url,
+    launch_vllm,
+    start_proxy,
+    stop_vllm,
+    vllm_missing,
+    wait_vllm,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MODEL = "tiny-qwen3-vl"
+LEASE_TTL_MS = 1500
+CACHE_BLOCKS = 64
+LOGPROB_ATOL = 1e-5  # float32 noise of two tower implementations (measured: about 1.5e-6)
+
+
+@dataclass
+class Stack:
+    tmp: Path
+    checkpoint: Path
+    encoder: EncoderProcess
+    encoder_args: tuple[str, ...]
+    baseline: Server
+    consumer: Server
+    connector_metrics_port: int
+    proxy: Server
+    gate: Gate
+    gated_proxy: Server
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    reason = vllm_missing()
+    if reason:
+        pytest.skip(reason)
+    tmp = tmp_path_factory.mktemp("vllm")
+    checkpoint = write_qwen3vl_checkpoint(tmp / "checkpoint", seed=7)
+    noise = noise_vision_copy(checkpoint, tmp / "noise-vision")
+    assert checkpoint_digest(noise) != checkpoint_digest(checkpoint)
+    encoder_args = ("--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL,
+                    "--lease-ttl-ms", str(LEASE_TTL_MS), "--cache-blocks", str(CACHE_BLOCKS))
+    encoder = start_encoder(tmp, *encoder_args)
+    metrics_port = free_port()
+    # Both engines start at once: most of their start-up is imports and process spawns.
+    baseline = launch_vllm(checkpoint, tmp / "vllm-baseline.log", "--served-model-name", MODEL,
+                           # transformers' PIL image processor: what the encoder's preprocessing reproduces
+                           "--mm-processor-kwargs", json.dumps({"use_fast": False}))
+    consumer = launch_vllm(noise, tmp / "vllm-consumer.log", "--served-model-name", MODEL, "--ec-transfer-config",
+                           connector_config([encoder.target], MODEL, metrics_port=metrics_port, pull_timeout_s=2.0,
+                                            rpc_timeout_s=3.0))
+    servers: list[Server] = [baseline, consumer]
+    gate: Gate | None = None
+    try:
+        wait_vllm(baseline)
+        wait_vllm(consumer)
+        proxy = start_proxy(tmp / "proxy.log", [encoder.target], [consumer.url], "--model-id", MODEL)
+        servers.append(proxy)
+        gate = Gate(consumer.url)
+        gated = start_proxy(tmp / "proxy-gated.log", [encoder.target], [gate.url], "--model-id", MODEL,
+                            "--rpc-timeout-s", "3")
+        servers.append(gated)
+        yield Stack(tmp, checkpoint, encoder, encoder_args, baseline, consumer, metrics_port, proxy, gate, gated)
+    finally:
+        if gate is not None:
+            gate.close()
+        for server in servers[2:]:
+            server.stop()
+        for server in servers[:2]:
+            stop_vllm(server)
+        encoder.terminate()
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+def _outputs(resp: httpx.Response) -> tuple[list[int], list[float], list[float]]:
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    choice = data["choices"][0]
+    token_ids = choice["token_ids"]
+    logprobs = [t["logprob"] for t in choice["logprobs"]["content"]]
+    prompt = [next(iter(p.values()))["logprob"] for p in data["prompt_logprobs"] if p]
+    return token_ids, logprobs, prompt
+
+
+def _assert_same(got: httpx.Response, want: httpx.Response, what: str) -> float:
+    g_ids, g_lp, g_prompt = _outputs(got)
+    w_ids, w_lp, w_prompt = _outputs(want)
+    assert len(w_ids) >= 8, what
+    assert g_ids == w_ids, f"{what}: greedy tokens differ"
+    assert len(g_prompt) == len(w_prompt), f"{what}: prompts differ in length"
+    worst = max(abs(a - b) for a, b in zip(g_lp + g_prompt, w_lp + w_prompt))
+    assert worst <= LOGPROB_ATOL, f"{what}: logprobs differ by {worst}"
+    return worst
+
+
+def _pulls(stack: Stack) -> float:
+    return scrape(stack.connector_metrics_port).get("epd_pulls_total")
+
+
+def _load_failures(stack: Stack) -> float:
+    return sum(v for k, v in scrape(stack.connector_metrics_port).samples.items()
+               if k.startswith("epd_ec_load_failures_total"))
+
+
+def test_outputs_through_proxy_equal_plain_vllm(stack: Stack) -> None:
+    a, b, c = image_url(1, 96, 128), image_url(2, 300, 200), image_url(3, 512, 512)
+    d, e, f = image_url(4, 224, 224), image_url(5, 160, 400), image_url(6, 480, 640)
+    cases = [
+        ("small image (upscaled)", [a], "what is this?"),
+        ("portrait image", [b], "describe it"),
+        ("square image", [c], "and this one?"),
+        ("two images in one request", [d, e], "compare them"),
+        ("the same image again", [a], "what is this?"),
+        ("two known images, new text", [d, e], "which one is brighter?"),
+        ("large image (downscaled)", [f], "what do you see"),
+        ("the same image twice in one request", [b, b], "are these equal?"),
+        ("no image", [], "hello there"),
+    ]
+    pulls_before = _pulls(stack)
+    worst = 0.0
+    for what, urls, text in cases:
+        body = chat_body(MODEL, urls, text, max_tokens=10)
+        worst = max(worst, _assert_same(_post(stack.proxy.url, body), _post(stack.baseline.url, body), what))
+    # Every new image was pulled over NIXL by the connector, verified (the repeats may be vLLM's own cache hits).
+    assert _pulls(stack) - pulls_before >= 6
+    assert _load_failures(stack) == 0
+    print(f"largest logprob difference: {worst:.2e}")
+
+
+def test_streaming_through_proxy(stack: Stack) -> None:
+    body = chat_body(MODEL, [image_url(7, 256, 320)], "stream it", max_tokens=8)
+    want = _post(stack.baseline.url, body).json()["choices"][0]["logprobs"]["content"]
+    tokens: list[str] = []
+    with httpx.stream("POST", stack.proxy.url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120.0) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"]
+            if choice and choice[0].get("logprobs"):
+                tokens += [t["token"] for t in choice[0]["logprobs"]["content"]]
+    assert tokens == [t["token"] for t in want]
+
+
+def test_models_and_health(stack: Stack) -> None:
+    models = httpx.get(stack.proxy.url + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(stack.proxy.url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_bad_media_is_400_naming_the_part(stack: Stack) -> None:
+    good = image_url(8, 64, 64)
+    bad = "data:image/png;base64,bm90IGFuIGltYWdl"  # "not an image"
+    resp = _post(stack.proxy.url, chat_body(MODEL, [good, bad], "x"))
+    assert resp.status_code == 400, resp.text
+    assert "messages[0].content[1]" in resp.json()["error"]["message"]
+    for url, words in (("http://198.51.100.1/cat.png", "remote media URLs are refused"),
+                       ("file:///etc/passwd", "local files are refused"),
+                       ("data:image/png;base64,@@@", "not valid base64")):
+        resp = _post(stack.proxy.url, chat_body(MODEL, [url], "x"))
+        assert resp.status_code == 400 and words in resp.json()["error"]["message"], resp.text
+    assert _post(stack.proxy.url, chat_body(MODEL, [good], "still fine")).status_code == 200
+
+
+def _held_request(stack: Stack, body: dict[str, Any]) -> tuple[threading.Thread, list[httpx.Response]]:
+    """Send ``body`` through the gated proxy; return once the proxy encoded it and the gate holds it."""
+    stack.gate.hold()
+    out: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: out.append(_post(stack.gated_proxy.url, body)), daemon=True)
+    thread.start()
+    assert stack.gate.arrived.wait(60), "the proxy never forwarded the request"
+    return thread, out
+
+
+def _engine_still_serves(stack: Stack, seed: int) -> None:
+    assert stack.consumer.alive(), stack.consumer.log()[-4000:]
+    body = chat_body(MODEL, [image_url(seed, 128, 128)], "next request")
+    _assert_same(_post(stack.proxy.url, body), _post(stack.baseline.url, body), "the request after a failure")
+
+
+def test_item_evicted_between_proxy_and_pull_fails_that_request_only(stack: Stack) -> None:
+    thread, out = _held_request(stack, chat_body(MODEL, [image_url(9, 512, 512)], "doomed"))
+    time.sleep(LEASE_TTL_MS / 1000 + 0.3)  # the proxy's lease has expired: the item may now be evicted
+    fillers = [MediaSpec.image(_png_bytes(100 + i)) for i in range(CACHE_BLOCKS // 4 + 8)]
+    with EncoderCacheClient(stack.encoder.target, MODEL, landing_blocks=16) as client:
+        for i in range(0, len(fillers), 4):
+            client.encode(fillers[i:i + 4])
+    stack.gate.open()
+    thread.join(120)
+    resp = out[0]
+    assert resp.status_code == 500, resp.text
+    message = resp.json()["error"]["message"]
+    assert "evicted" in message and "no longer on encoder" in message, message
+    assert _load_failures(stack) >= 1
+    _engine_still_serves(stack, 10)
+
+
+def test_encoder_killed_between_proxy_and_pull_fails_that_request_only(stack: Stack) -> None:
+    thread, out = _held_request(stack, chat_body(MODEL, [image_url(11, 200, 200)], "doomed"))
+    port = stack.encoder.port
+    stack.encoder.kill()
+    stack.gate.open()
+    thread.join(120)
+    resp = out[0]
+    assert resp.status_code == 500, resp.text
+    message = resp.json()["error"]["message"]
+    assert f"encoder 127.0.0.1:{port} is unreachable" in message, message
+    assert stack.consumer.alive()
+    # Text needs no encoder; then a successor on the same port serves images again.
+    text_only = chat_body(MODEL, [], "no images")
+    _assert_same(_post(stack.proxy.url, text_only), _post(stack.baseline.url, text_only), "text after the kill")
+    stack.encoder = start_encoder(stack.tmp, *stack.encoder_args, "--port", str(port), name="encoder-2")
+    _engine_still_serves(stack, 12)
+
+
+def _png_bytes(seed: int) -> bytes:
+    import base64
+
+    return base64.b64decode(image_url(seed, 512, 512).split(",", 1)[1])
