@@ -487,15 +487,19 @@ def build(cls: type, args: argparse.Namespace | None = None, environ: Mapping[st
     return _instantiate(cls, values, ())
 
 
-def build_from_mapping(cls: type, mapping: Mapping[str, Any], source: str) -> Any:
+def build_from_mapping(cls: type, mapping: Mapping[str, Any], source: str,
+                       environ: Mapping[str, str] | None = None) -> Any:
     """Resolve a config from a mapping (e.g. a JSON object) keyed by field name (``rpc_timeout_s``,
-    ``tls_ca``) or flag name (``rpc-timeout-s``); everything else keeps its default. A list value
-    is a comma-separated setting. Unknown keys are a ConfigError naming them."""
+    ``tls_ca``) or flag name (``rpc-timeout-s``), else from the environment variable, else the
+    default. A list value is a comma-separated setting. Unknown keys are a ConfigError naming them."""
     by_name: dict[str, SettingInfo] = {}
     for info in iter_settings(cls):
         by_name["_".join(info.path)] = info
         by_name[info.flag.removeprefix("--").replace("-", "_")] = info
     values: dict[tuple[str, ...], Any] = {}
+    for info in iter_settings(cls):
+        if environ and info.env in environ:
+            values[info.path] = _convert(info, environ[info.env], f"environment variable {info.env}")
     for key, raw in mapping.items():
         found = by_name.get(key.replace("-", "_"))
         if found is None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -67,12 +68,15 @@ class EpdCacheConnectorMetadata(ECConnectorMetadata):
 
 
 def connector_config(vllm_config: VllmConfig) -> PrefillConfig:
-    """Our client settings from ``ec_connector_extra_config``."""
+    """Our client settings: ``ec_connector_extra_config``, else the ``EPD_*`` environment variables
+    ``epd prefill`` reads, else the defaults (``model_id``: the served model name)."""
     transfer = vllm_config.ec_transfer_config
     extra: Mapping[str, Any] = (transfer.ec_connector_extra_config or {}) if transfer is not None else {}
-    if "model_id" not in extra:
+    environ = dict(os.environ)
+    if "model_id" not in extra and "EPD_MODEL_ID" not in environ:
         extra = {**extra, "model_id": vllm_config.model_config.served_model_name or vllm_config.model_config.model}
-    return build_from_mapping(PrefillConfig, extra, "ec_connector_extra_config")  # type: ignore[no-any-return]
+    return build_from_mapping(  # type: ignore[no-any-return]
+        PrefillConfig, extra, "ec_connector_extra_config", environ)
 
 
 def row_width(vllm_config: VllmConfig) -> int | None:
@@ -96,7 +100,7 @@ class EpdCacheConnector(ECConnectorBase):
         dtype = vllm_config.model_config.dtype  # resolved to a torch.dtype once the config is built
         self._dtype: torch.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
         if role == ECConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerSide(connector_config(vllm_config), row_width(vllm_config))
+            self._scheduler = _SchedulerSide.start(connector_config(vllm_config), row_width(vllm_config))
 
     # --- worker side -------------------------------------------------------------------------
 
@@ -168,23 +172,32 @@ class _Wanted:
 class _SchedulerSide:
     """Pulls in the background; says "available" only for rows in hand; fails requests, not the engine."""
 
-    def __init__(self, cfg: PrefillConfig, width: int | None) -> None:
+    @classmethod
+    def start(cls, cfg: PrefillConfig, width: int | None) -> _SchedulerSide:
+        """The client of ``cfg`` and its /metrics endpoint (``metrics_port``; -1: none)."""
         from prometheus_client import start_http_server
 
         from prefill_client.client import EncoderCacheClient
 
-        self.metrics = PrefillMetrics()
-        self.client = EncoderCacheClient(
+        metrics = PrefillMetrics()
+        client = EncoderCacheClient(
             cfg.encoders, cfg.model_id, consumer_id=cfg.consumer_id, transport_kind=cfg.transport,
             rpc_timeout_s=cfg.rpc_timeout_s, pull_timeout_s=cfg.pull_timeout_s,
             failure_policy=cfg.failure_policy, landing_blocks=cfg.landing_blocks,
-            local_cache_blocks=cfg.local_cache_blocks, metrics=self.metrics, tls=cfg.tls,
+            local_cache_blocks=cfg.local_cache_blocks, metrics=metrics, tls=cfg.tls,
             weights_digest=cfg.weights_digest, membership_refresh_s=cfg.membership_refresh_s)
-        self.width = width
-        self._httpd = None
+        side = cls(client, width)
         if cfg.metrics_port >= 0:
-            self._httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=self.metrics.registry)
-            logger.info("EpdCacheConnector /metrics on %s:%d", cfg.metrics_host, self._httpd.server_port)
+            side._httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry)
+            logger.info("EpdCacheConnector /metrics on %s:%d", cfg.metrics_host, side._httpd.server_port)
+        logger.info("EpdCacheConnector: consumer of encoders %s (model_id %s)", ",".join(cfg.encoders), cfg.model_id)
+        return side
+
+    def __init__(self, client: EncoderCacheClient, width: int | None) -> None:
+        self.client = client
+        self.metrics = client.metrics
+        self.width = width
+        self._httpd: Any = None
         self._threads = concurrent.futures.ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="epd-pull")
         self._lock = threading.Lock()
         self._jobs: dict[str, concurrent.futures.Future[dict[str, torch.Tensor]]] = {}
@@ -193,7 +206,6 @@ class _SchedulerSide:
         self._unavailable: dict[str, str] = {}  # request id -> why
         self._reported: set[str] = set()
         self._to_load: dict[str, torch.Tensor] = {}
-        logger.info("EpdCacheConnector: consumer of encoders %s (model_id %s)", ",".join(cfg.encoders), cfg.model_id)
 
     def has(self, identifier: str) -> bool:
         return identifier in self._rows

@@ -10,9 +10,11 @@ from common.config import (
     CacheMode,
     EncoderServerConfig,
     PrefillConfig,
+    ProxyConfig,
     TransportKind,
     add_arguments,
     build,
+    build_from_mapping,
     describe,
 )
 from common.errors import ConfigError
@@ -107,7 +109,27 @@ def test_frozen() -> None:
         cfg.port = 1  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("cls", [EncoderServerConfig, PrefillConfig])
+def test_from_mapping_by_field_or_flag_name_then_env() -> None:
+    mapping = {"encoders": ["a:1", "b:2"], "rpc-timeout-s": 3, "tls_ca": "/ca.pem", "auth_token": "t",
+               "keep_freed_memory": False}
+    cfg = build_from_mapping(PrefillConfig, mapping, "extra", {"EPD_MODEL_ID": "m", "EPD_RPC_TIMEOUT_S": "9"})
+    assert cfg.encoders == ("a:1", "b:2") and cfg.rpc_timeout_s == 3.0 and cfg.model_id == "m"
+    assert cfg.tls.ca == "/ca.pem" and cfg.tls.auth_token == "t" and cfg.keep_freed_memory is False
+    assert build_from_mapping(PrefillConfig, {"encoder": "x:1"}, "extra").encoders == ("x:1",)
+    with pytest.raises(ConfigError, match="extra: unknown setting 'encodrs'"):
+        build_from_mapping(PrefillConfig, {"encodrs": "x:1"}, "extra")
+    with pytest.raises(ConfigError, match="extra 'pull_timeout_s' has an invalid value 'soon'"):
+        build_from_mapping(PrefillConfig, {"pull_timeout_s": "soon"}, "extra")
+
+
+def test_proxy_config_checks_its_urls() -> None:
+    with pytest.raises(ConfigError, match="backend must be an http"):
+        build(ProxyConfig, None, {"EPD_PROXY_BACKENDS": "vllm:8000"})
+    assert build(ProxyConfig, None, {"EPD_PROXY_ALLOW_REMOTE_MEDIA": "a.example, b.example"}).allow_remote_media == (
+        "a.example", "b.example")
+
+
+@pytest.mark.parametrize("cls", [EncoderServerConfig, PrefillConfig, ProxyConfig])
 def test_readme_documents_every_flag_and_env(cls: type, repo_root) -> None:
     readme = (repo_root / "README.md").read_text()
     for info in describe(cls):
