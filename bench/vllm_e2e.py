@@ -2,10 +2,10 @@
 
 Starts ``epd encoder --weights`` (a tiny Qwen3-VL made on the spot, float32 cache, eager graphs,
 real NIXL where installed), a consumer ``vllm serve`` with the connector behind ``epd proxy``,
-and a plain ``vllm serve`` of the same checkpoint. Each request is one chat message with one
-``--side`` x ``--side`` PNG of noise and a short text, streamed; TTFT is the time from sending
-it to the first streamed token, measured at the client. Three sets of ``--requests`` images,
-each image new to every vLLM (so no vLLM encoder or prefix cache helps):
+and a plain ``vllm serve`` of the same checkpoint, each engine on its own core. Each request
+is one chat message with one ``--side`` x ``--side`` PNG of noise and a short text, streamed;
+TTFT is the time from sending it to the first streamed token, measured at the client. Three
+sets of ``--requests`` images, each image new to every vLLM (so no vLLM encoder or prefix cache helps):
 
 - ``proxy_cached``: images the encoder already holds (encoded by this script beforehand): the
   proxy's Encode is a hit and the connector pulls the rows;
@@ -88,9 +88,10 @@ def main() -> None:
         checkpoint = write_qwen3vl_checkpoint(tmp / "checkpoint", seed=7)
         encoder = start_encoder(tmp, "--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL)
         plain = launch_vllm(checkpoint, tmp / "plain.log", "--served-model-name", MODEL,
-                            "--mm-processor-kwargs", json.dumps({"use_fast": False}))
+                            "--mm-processor-kwargs", json.dumps({"use_fast": False}), cpu_core=0)
         consumer = launch_vllm(checkpoint, tmp / "consumer.log", "--served-model-name", MODEL,
-                               "--ec-transfer-config", connector_config([encoder.target], MODEL, metrics_port=-1))
+                               "--ec-transfer-config", connector_config([encoder.target], MODEL, metrics_port=-1),
+                               cpu_core=1)
         proxy = None
         try:
             wait_vllm(plain)
@@ -118,6 +119,8 @@ def main() -> None:
             stop_vllm(consumer)
             stop_vllm(plain)
             encoder.terminate()
+    for name, values in results.items():
+        print(f"{name}: " + " ".join(f"{v:.0f}" for v in values), file=sys.stderr)
     out = {name: summary(values) for name, values in results.items()}
     out["cached_vs_plain_p50"] = round(out["proxy_cached"]["p50"] / out["vllm_plain"]["p50"], 3)
     out["new_vs_plain_p50"] = round(out["proxy_new"]["p50"] / out["vllm_plain"]["p50"], 3)

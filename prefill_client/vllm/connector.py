@@ -61,7 +61,7 @@ PULL_THREADS = 2
 
 
 @dataclass
-class EpdCacheConnectorMetadata(ECConnectorMetadata):
+class EpdCacheConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc]  # vLLM is not type-checked here
     """Scheduler -> workers, per step: the verified rows of the items this step gathers."""
 
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -88,14 +88,14 @@ def row_width(vllm_config: VllmConfig) -> int | None:
     return int(out) * (1 + len(getattr(vision, "deepstack_visual_indexes", None) or ()))
 
 
-class EpdCacheConnector(ECConnectorBase):
+class EpdCacheConnector(ECConnectorBase):  # type: ignore[misc]
     """vLLM EC connector, consumer: encoder outputs come from epd-cache encoders over NIXL, verified."""
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         if not self.is_consumer or self.is_producer:
             raise ConfigError(f"EpdCacheConnector is a consumer: ec_role must be ec_consumer, "
-                              f"got {vllm_config.ec_transfer_config.ec_role!r}")  # type: ignore[union-attr]
+                              f"got {vllm_config.ec_transfer_config.ec_role!r}")
         self._scheduler: _SchedulerSide | None = None
         dtype = vllm_config.model_config.dtype  # resolved to a torch.dtype once the config is built
         self._dtype: torch.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))

@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]
-    vllm_main()  # type: ignore[no-untyped-call]
+    vllm_main()
     return 0
 
 

@@ -76,10 +76,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # Both engines start at once: most of their start-up is imports and process spawns.
     baseline = launch_vllm(checkpoint, tmp / "vllm-baseline.log", "--served-model-name", MODEL,
                            # transformers' PIL image processor: what the encoder's preprocessing reproduces
-                           "--mm-processor-kwargs", json.dumps({"use_fast": False}))
+                           "--mm-processor-kwargs", json.dumps({"use_fast": False}), cpu_core=0)
     consumer = launch_vllm(noise, tmp / "vllm-consumer.log", "--served-model-name", MODEL, "--ec-transfer-config",
                            connector_config([encoder.target], MODEL, metrics_port=metrics_port, pull_timeout_s=2.0,
-                                            rpc_timeout_s=3.0))
+                                            rpc_timeout_s=3.0), cpu_core=1)
     servers: list[Server] = [baseline, consumer]
     gate: Gate | None = None
     try:
