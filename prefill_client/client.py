@@ -67,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+# Statuses of a call whose encoder is gone: down, or left the list (its channel closed under the call).
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
 _RETRYABLE = {
     LoadFailureReason.TAG_MISMATCH, LoadFailureReason.GENERATION_MISMATCH,
     LoadFailureReason.EVICTED, LoadFailureReason.TIMEOUT, LoadFailureReason.DISCONNECT,
@@ -104,6 +107,7 @@ class Placement:
     incarnation_id: str
     location: pb2.ItemLocation
     weights_digest: str = ""
+    owner: str = ""  # the consumer id the lease was granted to (the one that placed the item)
 
     @property
     def grid_thw(self) -> tuple[int, ...]:
@@ -112,6 +116,17 @@ class Placement:
     @property
     def num_tokens(self) -> int:
         return int(self.location.num_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class _OnBehalf:
+    """Releases leases granted to another consumer (``owner``) through ``conn``: a placed item's."""
+
+    conn: EncoderConnection
+    owner: str
+
+    def release(self, lease_ids: Sequence[int]) -> None:
+        self.conn.release(lease_ids, owner=self.owner)
 
 
 class _LocalCache:
@@ -247,7 +262,7 @@ class EncoderCacheClient:
                 raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=next(iter(wanted)),
                                  detail=str(exc)) from exc
             except grpc.RpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() not in _GONE + (grpc.StatusCode.DEADLINE_EXCEEDED,):
                     raise
                 # As for encode: an encoder that does not answer is a loud ECLoadFailure, not a raw status.
                 raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=next(iter(wanted)),
@@ -291,7 +306,11 @@ class EncoderCacheClient:
         by_target: dict[str, list[int]] = collections.defaultdict(list)
         stale: list[int] = []
         for i, p in enumerate(placements):
-            local = self._local.get(self.weights_digest or p.weights_digest or None, p.mm_hash)
+            # The local copy must be of the weights this client expects, else of the weights the
+            # encoder named by the placement announced to us (never the placement's own claim).
+            conn = self._pool.conn(p.encoder)
+            digest = self.weights_digest or (conn.weights_digest if conn is not None and conn.incarnation_id else None)
+            local = self._local.get(digest, p.mm_hash)
             if local is not None:
                 self._release_placed(p)
                 out[i] = dataclasses.replace(local, source="local")
@@ -313,8 +332,13 @@ class EncoderCacheClient:
             current = [i for i in indices if placements[i].incarnation_id == conn.incarnation_id]
             stale += [i for i in indices if placements[i].incarnation_id != conn.incarnation_id]
             self._where.update((placements[i].mm_hash, target) for i in indices)
-            for i, item in zip(current, self._pull(conn, [placements[i].location for i in current])):
-                out[i] = item
+            by_owner: dict[str, list[int]] = collections.defaultdict(list)
+            for i in current:
+                by_owner[placements[i].owner].append(i)
+            for owner, group in by_owner.items():
+                pulled = self._pull(conn, [placements[i].location for i in group], owner=owner or None)
+                for i, item in zip(group, pulled):
+                    out[i] = item
         if stale:
             found = self.lookup([placements[i].mm_hash for i in stale], require=True)
             for i, again in zip(stale, found):
@@ -329,7 +353,11 @@ class EncoderCacheClient:
     def _release_placed(self, p: Placement) -> None:
         conn = self._pool.conn(p.encoder)
         if conn is not None and conn.incarnation_id == p.incarnation_id:
-            self._releaser.add(conn, [p.location.lease_id])
+            self._releaser.add(self._releasing(conn, p.owner or None), [p.location.lease_id])
+
+    def _releasing(self, conn: EncoderConnection, owner: str | None) -> EncoderConnection | _OnBehalf:
+        """Who gives leases back: ``conn`` for our own, on behalf of ``owner`` for handed-on ones."""
+        return conn if owner is None or owner == self.consumer_id else _OnBehalf(conn, owner)
 
     def media_params(self) -> tuple[PreprocessParams, str]:
         """Preprocessing parameters and fingerprint every encoder must share (layer-1 token counts)."""
@@ -440,7 +468,7 @@ class EncoderCacheClient:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # overloaded, not down: no fail-over
                     raise self._fail(LoadFailureReason.TIMEOUT, [], f"Encode on {conn.target}: {exc.details()}",
                                      mm_hash=items[0].key()) from exc
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                if exc.code() in _GONE:
                     raise _EncoderDown(str(exc.details())) from exc
                 raise
             except (PeerDisconnected, WeightsMismatchError) as exc:  # unusable here: the next encoder
@@ -459,14 +487,14 @@ class EncoderCacheClient:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise self._fail(LoadFailureReason.TIMEOUT, [], f"Encode on {conn.target}: {exc.details()}",
                                  mm_hash=items[0].key()) from exc
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            if exc.code() in _GONE:
                 raise _EncoderDown(str(exc.details())) from exc
             raise
         except (PeerDisconnected, WeightsMismatchError) as exc:
             raise _EncoderDown(str(exc)) from exc
         for loc in locations:
             self._where[loc.mm_hash] = conn.target
-        return [Placement(loc.mm_hash, conn.target, conn.incarnation_id, loc, conn.weights_digest)
+        return [Placement(loc.mm_hash, conn.target, conn.incarnation_id, loc, conn.weights_digest, self.consumer_id)
                 for loc in locations]
 
     def _encode_admitted(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> list[pb2.ItemLocation]:
@@ -481,8 +509,10 @@ class EncoderCacheClient:
                     raise
                 time.sleep(wait)
 
-    def _pull(self, conn: EncoderConnection, locations: Sequence[pb2.ItemLocation]) -> list[PulledItem]:
-        """Pull, then verify, every location; local-cache hits need no transfer."""
+    def _pull(self, conn: EncoderConnection, locations: Sequence[pb2.ItemLocation],
+              owner: str | None = None) -> list[PulledItem]:
+        """Pull, then verify, every location; local-cache hits need no transfer. ``owner``: the
+        consumer the leases were granted to, when not this one (placed items)."""
         results: list[PulledItem | None] = [None] * len(locations)
         todo: list[int] = []
         for i, loc in enumerate(locations):
@@ -491,13 +521,15 @@ class EncoderCacheClient:
                 results[i] = dataclasses.replace(local, source="local")
             else:
                 todo.append(i)
-        self._releaser.add(conn, [loc.lease_id for loc, r in zip(locations, results) if r is not None])
+        releasing = self._releasing(conn, owner)
+        self._releaser.add(releasing, [loc.lease_id for loc, r in zip(locations, results) if r is not None])
         if todo:
-            for i, item in zip(todo, self._pull_verified(conn, [locations[i] for i in todo])):
+            for i, item in zip(todo, self._pull_verified(conn, [locations[i] for i in todo], releasing)):
                 results[i] = item
         return [r for r in results if r is not None]
 
-    def _pull_verified(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation]) -> list[PulledItem]:
+    def _pull_verified(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation],
+                       releasing: EncoderConnection | _OnBehalf) -> list[PulledItem]:
         """Pull ``locs`` in as few transfers as the landing pool allows; every lease ends on every path."""
         landing = self.transport.landing
         room = landing.num_blocks - landing.num_quarantined
@@ -512,14 +544,15 @@ class EncoderCacheClient:
         out: list[PulledItem] = []
         for n, chunk in enumerate(chunks):
             try:
-                out += self._pull_chunk(conn, chunk)
+                out += self._pull_chunk(conn, chunk, releasing)
             except BaseException:
                 # Chunks never tried still hold leases nobody will release after a tag READ.
-                conn.release([loc.lease_id for later in chunks[n + 1:] for loc in later])
+                releasing.release([loc.lease_id for later in chunks[n + 1:] for loc in later])
                 raise
         return out
 
-    def _pull_chunk(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation]) -> list[PulledItem]:
+    def _pull_chunk(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation],
+                    releasing: EncoderConnection | _OnBehalf) -> list[PulledItem]:
         """One block READ, then one tag READ, then the checks of every item; then the leases go back.
 
         Items that verify are kept (local cache) even when another item of the
@@ -561,13 +594,13 @@ class EncoderCacheClient:
                 conn.reset()
                 leases_pinned = False  # or expire at their ttl, if the encoder lives on
                 raise self._fail(LoadFailureReason.DISCONNECT, locs, str(exc)) from exc
-            self._releaser.add(conn, lease_ids)
+            self._releaser.add(releasing, lease_ids)
             leases_pinned = False
             verdicts = verify_batch(locs, tags, gens)
             rows = gather_batch(landing.tensor, local, locs)
         except BaseException:
             if leases_pinned:
-                conn.release(lease_ids)
+                releasing.release(lease_ids)
             raise
         finally:
             # Blocks of a timed-out READ were quarantined by the transport; releasing a

@@ -345,8 +345,11 @@ class EncoderConnection:
             model_id=self.model_id, consumer_id=self.consumer_id, mm_hashes=mm_hashes, incarnation_id=incarnation))
         return [r.location if r.WhichOneof("outcome") == "location" else None for r in resp.results]
 
-    def release(self, lease_ids: Sequence[int]) -> None:
+    def release(self, lease_ids: Sequence[int], owner: str | None = None) -> None:
         """Give leases back without waiting for the answer (best effort: an unreleased lease expires).
+
+        ``owner``: the consumer the leases were granted to, when it is not this one (leases an
+        ``epd proxy`` took and handed on with the item); the encoder checks it.
 
         Releases run on failure paths and from the batching releaser: nobody
         waits on a slow or frozen encoder for them. The RPC still has its
@@ -355,7 +358,7 @@ class EncoderConnection:
         if not lease_ids:
             return
         future = self._stub.Release.future(
-            pb2.ReleaseRequest(consumer_id=self.consumer_id, lease_ids=lease_ids),
+            pb2.ReleaseRequest(consumer_id=owner or self.consumer_id, lease_ids=lease_ids),
             timeout=max(self.rpc_timeout_s, MIN_RELEASE_TIMEOUT_S), metadata=self._metadata)
         count, target = len(lease_ids), self.target
         with self._release_lock:

@@ -254,6 +254,9 @@ class Proxy:
                 errors.append(f"{base}: {exc or type(exc).__name__}")
                 continue
             async with resp:
+                if resp.status >= 400 and placements:
+                    # Refused or failed: its leases may never be pulled (a second release is harmless).
+                    self.client.release_placed(placements)
                 if resp.status >= 500 and placements:
                     text = await resp.text()
                     why = await asyncio.to_thread(self._diagnose, placements)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    from prefill_client.client import EncoderCacheClient
+    from prefill_client.client import EncoderCacheClient, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +198,7 @@ class _SchedulerSide:
         self.width = width
         self._httpd: Any = None
         self._threads = concurrent.futures.ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="epd-pull")
-        self._lock = threading.Lock()
-        self._jobs: dict[str, concurrent.futures.Future[dict[str, torch.Tensor]]] = {}
+        self._jobs: dict[str, tuple[concurrent.futures.Future[dict[str, torch.Tensor]], list[Placement]]] = {}
         self._rows: dict[str, torch.Tensor] = {}  # identifier -> verified rows, while a request needs them
         self._users: defaultdict[str, set[str]] = defaultdict(set)  # identifier -> request ids
         self._unavailable: dict[str, str] = {}  # request id -> why
@@ -227,13 +225,14 @@ class _SchedulerSide:
             except ConfigError as exc:
                 self._fail(rid, f"bad ec_transfer_params: {exc}")
                 return False
-            self._jobs[rid] = self._threads.submit(self._pull, missing, placed)
+            mine = [placed[w.identifier] for w in missing if w.identifier in placed]
+            self._jobs[rid] = (self._threads.submit(self._pull, missing, placed), mine)
             return False
-        if not job.done():
+        if not job[0].done():
             return False
         del self._jobs[rid]
         try:
-            rows = job.result()
+            rows = job[0].result()
         except ECLoadFailure as exc:
             self._fail(rid, str(exc))
             return False
@@ -274,7 +273,7 @@ class _SchedulerSide:
                     f"(out_hidden_size x (1 + deepstack levels)); encoder and model disagree")
         return None
 
-    def _pull(self, missing: Sequence[_Wanted], placed: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    def _pull(self, missing: Sequence[_Wanted], placed: Mapping[str, Placement]) -> dict[str, torch.Tensor]:
         """Worker thread: one verified pull for the request's missing items (bounded by the client's deadlines)."""
         with_location = [placed[w.identifier] for w in missing if w.identifier in placed]
         by_lookup = [w.identifier for w in missing if w.identifier not in placed]
@@ -310,8 +309,9 @@ class _SchedulerSide:
     def finished(self, request: Request) -> None:
         rid = request.request_id
         job = self._jobs.pop(rid, None)
-        if job is not None:
-            job.cancel()  # one already running ends within the client's deadlines; its leases go back
+        if job is not None and job[0].cancel():  # never started: its leases are still out
+            self.client.release_placed(job[1])
+        # (one already running ends within the client's deadlines and gives its leases back)
         self._unavailable.pop(rid, None)
         self._reported.discard(rid)
         for feature in request.mm_features:

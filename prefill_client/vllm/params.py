@@ -3,10 +3,12 @@
 The proxy encodes each media item on its encoder and passes the leased location on, so the
 connector pulls it without another RPC::
 
-    {"epd_cache": {"items": {MM_HASH: {"encoder": "HOST:PORT", "incarnation": ID,
+    {"epd_cache": {"items": {MM_HASH: {"encoder": "HOST:PORT", "incarnation": ID, "owner": CONSUMER_ID,
                                       "weights_digest": DIGEST, "location": BASE64}}}}
 
-``location`` is the encoder's ``ItemLocation`` in protobuf wire format. Nothing here is
+``location`` is the encoder's ``ItemLocation`` in protobuf wire format; ``owner`` the consumer
+id the lease was granted to (the proxy's): the connector gives the lease back in its name once
+the rows are in. Nothing here is
 trusted: the pull checks every block's tag and generation after the data (a forged or stale
 location fails the request with ``ECLoadFailure``), and an item without an entry is looked up
 by its ``mm_hash`` instead.
@@ -32,7 +34,7 @@ def to_params(placements: Sequence[Placement]) -> dict[str, Any]:
     """The ``ec_transfer_params`` for a request whose items were placed."""
     items = {
         p.mm_hash: {"encoder": p.encoder, "incarnation": p.incarnation_id, "weights_digest": p.weights_digest,
-                    "location": base64.b64encode(p.location.SerializeToString()).decode("ascii")}
+                    "owner": p.owner, "location": base64.b64encode(p.location.SerializeToString()).decode("ascii")}
         for p in placements
     }
     return {KEY: {"items": items}}
@@ -62,5 +64,6 @@ def from_params(params: Mapping[str, Any] | None) -> dict[str, Placement]:
             raise ConfigError(f"ec_transfer_params item {mm_hash!r}: bad location ({exc})") from exc
         if location.mm_hash != mm_hash:
             raise ConfigError(f"ec_transfer_params item {mm_hash!r} carries the location of {location.mm_hash!r}")
-        out[mm_hash] = Placement(mm_hash, encoder, incarnation, location, str(entry.get("weights_digest", "")))
+        out[mm_hash] = Placement(mm_hash, encoder, incarnation, location, str(entry.get("weights_digest", "")),
+                                 str(entry.get("owner", "")))
     return out

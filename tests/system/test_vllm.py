@@ -82,6 +82,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                                             rpc_timeout_s=3.0), cpu_core=1)
     servers: list[Server] = [baseline, consumer]
     gate: Gate | None = None
+    built: Stack | None = None
     try:
         wait_vllm(baseline)
         wait_vllm(consumer)
@@ -91,7 +92,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         gated = start_proxy(tmp / "proxy-gated.log", [encoder.target], [gate.url], "--model-id", MODEL,
                             "--rpc-timeout-s", "3")
         servers.append(gated)
-        yield Stack(tmp, checkpoint, encoder, encoder_args, baseline, consumer, metrics_port, proxy, gate, gated)
+        built = Stack(tmp, checkpoint, encoder, encoder_args, baseline, consumer, metrics_port, proxy, gate, gated)
+        yield built
     finally:
         if gate is not None:
             gate.close()
@@ -100,6 +102,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         for server in servers[:2]:
             stop_vllm(server)
         encoder.terminate()
+        if built is not None and built.encoder is not encoder:  # the successor the kill test started
+            built.encoder.terminate()
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> httpx.Response:
@@ -151,6 +155,7 @@ def test_outputs_through_proxy_equal_plain_vllm(stack: Stack) -> None:
         ("no image", [], "hello there"),
     ]
     pulls_before = _pulls(stack)
+    expired_before = scrape(stack.encoder.metrics_port).get("epd_encoder_leases_expired_total")
     worst = 0.0
     for what, urls, text in cases:
         body = chat_body(MODEL, urls, text, max_tokens=10)
@@ -158,6 +163,9 @@ def test_outputs_through_proxy_equal_plain_vllm(stack: Stack) -> None:
     # Every new image was pulled over NIXL by the connector, verified (the repeats may be vLLM's own cache hits).
     assert _pulls(stack) - pulls_before >= 6
     assert _load_failures(stack) == 0
+    # Every lease the proxy took was given back once its rows were in: none runs to its ttl.
+    time.sleep(LEASE_TTL_MS / 1000 + 0.5)
+    assert scrape(stack.encoder.metrics_port).get("epd_encoder_leases_expired_total") == expired_before
     print(f"largest logprob difference: {worst:.2e}")
 
 

@@ -26,7 +26,7 @@ WIDTH = 192
 def _placement(mm_hash: str, rows: int = 4) -> Placement:
     loc = pb2.ItemLocation(mm_hash=mm_hash, block_ids=[3, 4], tokens_per_block=[rows, 0], num_tokens=rows,
                            fingerprint=7, generation=9, lease_id=11, grid_thw=[1, 4, 4])
-    return Placement(mm_hash, "127.0.0.1:50051", "inc-1", loc, "digest")
+    return Placement(mm_hash, "127.0.0.1:50051", "inc-1", loc, "digest", "proxy-7")
 
 
 def test_params_round_trip() -> None:
@@ -35,7 +35,7 @@ def test_params_round_trip() -> None:
     back = from_params({**params, "other": 1})
     assert list(back) == ["a", "b"]
     assert back["a"].location == placements[0].location and back["a"].incarnation_id == "inc-1"
-    assert back["b"].weights_digest == "digest" and back["b"].grid_thw == (1, 4, 4)
+    assert back["b"].weights_digest == "digest" and back["b"].grid_thw == (1, 4, 4) and back["b"].owner == "proxy-7"
     assert from_params(None) == {} and from_params({"other": 1}) == {}
 
 
@@ -70,6 +70,7 @@ class FakeClient:
     width: int = WIDTH
     metrics: PrefillMetrics = field(default_factory=PrefillMetrics)
     calls: list[tuple[str, list[str]]] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
 
     def _item(self, h: str) -> PulledItem:
         return PulledItem(h, torch.full((self.rows[h], self.width), float(len(h))), (1, 2, 2), "enc", "hit")
@@ -91,6 +92,9 @@ class FakeClient:
         if missing and require:
             raise ECLoadFailure(LoadFailureReason.EVICTED, missing[0], detail="not on the encoder")
         return [self._item(h) if h in self.rows else None for h in hashes]
+
+    def release_placed(self, placements: Sequence[Placement]) -> None:
+        self.released += [p.mm_hash for p in placements]
 
     def close(self) -> None:
         pass
@@ -214,6 +218,21 @@ def test_rows_of_the_wrong_shape_fail_the_request() -> None:
     assert "the model expects 192" in side2._unavailable["wide"]
     side.close()
     side2.close()
+
+
+def test_a_request_that_ends_before_its_pull_starts_gives_the_leases_back() -> None:
+    client = FakeClient({"a": 4, "b": 4})
+    side = _side(client)
+    busy = [_request(f"busy{i}", [(f"x{i}", 4)]) for i in range(2)]  # both pull threads held on the gate
+    client.rows.update({"x0": 4, "x1": 4})
+    for r in busy:
+        assert not side.ensure(r, 0)
+    queued = _request("queued", [("a", 4)], to_params([_placement("a")]))
+    assert not side.ensure(queued, 0)
+    side.finished(queued)
+    assert client.released == ["a"]
+    client.gate.set()
+    side.close()
 
 
 def test_bad_params_fail_the_request_not_the_engine() -> None:
