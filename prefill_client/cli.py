@@ -131,12 +131,7 @@ def build_worker(cfg: PrefillConfig, metrics: PrefillMetrics) -> tuple[Closeable
     from prefill_client.client import EncoderCacheClient
     from prefill_client.lm import LMConfig, build_lm
 
-    client = EncoderCacheClient(
-        cfg.encoders, cfg.model_id, consumer_id=cfg.consumer_id, transport_kind=cfg.transport,
-        rpc_timeout_s=cfg.rpc_timeout_s, pull_timeout_s=cfg.pull_timeout_s,
-        failure_policy=cfg.failure_policy, landing_blocks=cfg.landing_blocks,
-        local_cache_blocks=cfg.local_cache_blocks, metrics=metrics, tls=cfg.tls,
-        weights_digest=cfg.weights_digest, membership_refresh_s=cfg.membership_refresh_s)
+    client = EncoderCacheClient.from_config(cfg, metrics)
     try:
         lm = build_lm(LMConfig(hidden_size=cfg.out_hidden_size, num_deepstack_levels=cfg.deepstack_levels),
                       seed=cfg.lm_seed, weights_dir=cfg.lm_weights)

@@ -42,7 +42,7 @@ import grpc
 import numpy as np
 import torch
 
-from common.config import FailurePolicy, TlsConfig, TransportKind
+from common.config import FailurePolicy, PrefillConfig, TlsConfig, TransportKind
 from common.errors import (
     CacheFullError,
     ECLoadFailure,
@@ -210,6 +210,16 @@ class EncoderCacheClient:
         self._local = _LocalCache(local_cache_blocks)
         self._where: dict[str, str] = {}  # mm_hash -> encoder target it was found on
         self._releaser = LeaseReleaser()
+
+    @classmethod
+    def from_config(cls, cfg: PrefillConfig, metrics: PrefillMetrics | None = None) -> EncoderCacheClient:
+        """The client ``epd prefill`` and the vLLM connector build from their settings."""
+        return cls(
+            cfg.encoders, cfg.model_id, consumer_id=cfg.consumer_id, transport_kind=cfg.transport,
+            rpc_timeout_s=cfg.rpc_timeout_s, pull_timeout_s=cfg.pull_timeout_s,
+            failure_policy=cfg.failure_policy, landing_blocks=cfg.landing_blocks,
+            local_cache_blocks=cfg.local_cache_blocks, metrics=metrics, tls=cfg.tls,
+            weights_digest=cfg.weights_digest, membership_refresh_s=cfg.membership_refresh_s)
 
     # --- public API ------------------------------------------------------------------------
 

@@ -179,12 +179,7 @@ class _SchedulerSide:
         from prefill_client.client import EncoderCacheClient
 
         metrics = PrefillMetrics()
-        client = EncoderCacheClient(
-            cfg.encoders, cfg.model_id, consumer_id=cfg.consumer_id, transport_kind=cfg.transport,
-            rpc_timeout_s=cfg.rpc_timeout_s, pull_timeout_s=cfg.pull_timeout_s,
-            failure_policy=cfg.failure_policy, landing_blocks=cfg.landing_blocks,
-            local_cache_blocks=cfg.local_cache_blocks, metrics=metrics, tls=cfg.tls,
-            weights_digest=cfg.weights_digest, membership_refresh_s=cfg.membership_refresh_s)
+        client = EncoderCacheClient.from_config(cfg, metrics)
         side = cls(client, width)
         if cfg.metrics_port >= 0:
             side._httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry)
