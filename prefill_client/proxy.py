@@ -2,11 +2,15 @@
 
 For ``/v1/chat/completions`` (streaming or not), every ``image_url`` part is read (a ``data:`` URL;
 a ``file://`` URL only under ``--allow-local-media``; an ``http(s)://`` URL only for a host in
-``--allow-remote-media``), and all of the request's images are sent in one ``Encode`` per encoder
-(rendezvous routing over the encoder pool, fail-over included). Each part is then rewritten into
-vLLM's embeddings form without a tensor::
+``--allow-remote-media``), and so is every ``video_url`` part in vLLM's frame-sequence form
+(``data:video/jpeg;base64,FRAME,FRAME,...``, at ``media_io_kwargs.video.fps``, default 1). All of
+the request's media are sent in one ``Encode`` per encoder (rendezvous routing over the encoder
+pool, fail-over included). Each part is then rewritten into vLLM's embeddings form without a
+tensor::
 
     {"type": "image_embeds", "image_embeds": {"image_grid_thw": [t, h, w]}, "uuid": MM_HASH}
+    {"type": "video_embeds", "video_embeds": {"video_grid_thw": [t, h, w], "timestamps": [...]},
+     "uuid": MM_HASH}
 
 and the leased locations go in the request's ``ec_transfer_params``
 (:mod:`prefill_client.vllm.params`), where the backend's ``EpdCacheConnector`` finds them and
@@ -78,10 +82,28 @@ class HttpError(Exception):
 
 
 class _Part:
-    """A media part of a request, where it sits, and its bytes."""
+    """A media part of a request, where it sits, and its bytes (a video: its frames and their rate)."""
 
-    def __init__(self, content: list[Any], index: int, label: str, spec: MediaSpec) -> None:
-        self.content, self.index, self.label, self.spec = content, index, label, spec
+    def __init__(self, content: list[Any], index: int, label: str, spec: MediaSpec, fps: float = 0.0) -> None:
+        self.content, self.index, self.label, self.spec, self.fps = content, index, label, spec, fps
+
+    def rewritten(self, placed: Placement) -> dict[str, Any]:
+        """vLLM's embeddings form of this part, without the tensor: what sizes its placeholders."""
+        if self.spec.kind == "image":
+            return {"type": "image_embeds", "image_embeds": {"image_grid_thw": list(placed.grid_thw)},
+                    "uuid": placed.mm_hash}
+        grid = list(placed.grid_thw)
+        return {"type": "video_embeds", "uuid": placed.mm_hash, "video_embeds": {
+            "video_grid_thw": grid, "timestamps": video_timestamps(len(self.spec.frames), self.fps, grid[0])}}
+
+
+def video_timestamps(num_frames: int, fps: float, grid_t: int) -> list[float]:
+    """Seconds of each temporal patch of a video of ``num_frames`` frames at ``fps``, all kept (the
+    "<t seconds>" Qwen3-VL writes before each): the mean time of its frames, the last frame
+    repeated to fill the last patch, as vLLM computes them for a frame sequence."""
+    per_patch = -(-num_frames // grid_t)
+    indices = list(range(num_frames)) + [num_frames - 1] * (grid_t * per_patch - num_frames)
+    return [(indices[i] + indices[i + per_patch - 1]) / 2 / fps for i in range(0, len(indices), per_patch)]
 
 
 class Proxy:
@@ -133,14 +155,12 @@ class Proxy:
                 raise HttpError(413, f"request body over {self.cfg.max_request_bytes} bytes") from exc
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise HttpError(400, "request body must be an object with a 'messages' list")
-            parts = await self._media_parts(body["messages"])
+            parts = await self._media_parts(body["messages"], _video_fps(body))
             if parts:
                 placements = await self._place(parts)
                 self.client.release_placed(_repeats(placements))  # the same image twice: one lease is enough
                 for part, placed in zip(parts, placements):
-                    part.content[part.index] = {
-                        "type": "image_embeds", "image_embeds": {"image_grid_thw": list(placed.grid_thw)},
-                        "uuid": placed.mm_hash}
+                    part.content[part.index] = part.rewritten(placed)
                 params = dict(body.get("ec_transfer_params") or {})
                 params[PARAMS_KEY] = to_params(placements)[PARAMS_KEY]
                 body["ec_transfer_params"] = params
@@ -152,7 +172,7 @@ class Proxy:
 
     # --- media -------------------------------------------------------------------------------
 
-    async def _media_parts(self, messages: list[Any]) -> list[_Part]:
+    async def _media_parts(self, messages: list[Any], video_fps: float) -> list[_Part]:
         parts: list[_Part] = []
         for m, message in enumerate(messages):
             content = message.get("content") if isinstance(message, dict) else None
@@ -170,8 +190,14 @@ class Proxy:
                         raise HttpError(400, f"{label}: image_url has no url")
                     data = await self._read_url(url, label)
                     parts.append(_Part(content, p, label, MediaSpec.image(data, uuid=label)))
-                elif kind in ("video_url", "input_audio", "audio_url"):
-                    raise HttpError(400, f"{label}: {kind} parts are not supported by epd proxy (images only)")
+                elif kind == "video_url":
+                    url = part.get("video_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    frames = _video_frames(url, label)
+                    # fps 0: the encoder keeps every frame, as vLLM does with a frame sequence.
+                    parts.append(_Part(content, p, label, MediaSpec.video(frames, 0.0, uuid=label), video_fps))
+                elif kind in ("input_audio", "audio_url"):
+                    raise HttpError(400, f"{label}: {kind} parts are not supported by epd proxy (images and videos)")
         return parts
 
     async def _read_url(self, url: str, label: str) -> bytes:
@@ -295,6 +321,30 @@ class Proxy:
             if gone:
                 notes.append(f"item {', '.join(gone)} is no longer on encoder {target} (evicted)")
         return "; ".join(notes) if notes else "its items are still on their encoders (see the backend's log)"
+
+
+def _video_frames(url: Any, label: str) -> list[bytes]:
+    """The frames of a ``data:video/jpeg;base64,FRAME,FRAME,...`` URL (vLLM's frame-sequence form)."""
+    if not isinstance(url, str) or not url:
+        raise HttpError(400, f"{label}: video_url has no url")
+    head, sep, payload = url.partition(",")
+    if not url.startswith("data:") or not sep or head.lower() != "data:video/jpeg;base64":
+        raise HttpError(400, f"{label}: videos must be frame sequences, data:video/jpeg;base64,FRAME,FRAME,... "
+                             f"(epd proxy does not decode video containers)")
+    try:
+        return [base64.b64decode(frame, validate=True) for frame in payload.split(",")]
+    except (binascii.Error, ValueError) as exc:
+        raise HttpError(400, f"{label}: a frame of the video is not valid base64 ({exc})") from exc
+
+
+def _video_fps(body: dict[str, Any]) -> float:
+    """The frame rate vLLM assumes for the request's frame sequences: ``media_io_kwargs.video.fps``, else 1."""
+    kwargs = body.get("media_io_kwargs")
+    video = kwargs.get("video") if isinstance(kwargs, dict) else None
+    fps = video.get("fps", 1.0) if isinstance(video, dict) else 1.0
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+        raise HttpError(400, f"media_io_kwargs.video.fps must be a positive number, got {fps!r}")
+    return float(fps)
 
 
 def _repeats(placements: Sequence[Placement]) -> list[Placement]:

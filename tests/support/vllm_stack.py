@@ -208,9 +208,23 @@ def image_url(seed: int, height: int, width: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def video_url(seed: int, frames: int, height: int, width: int) -> str:
+    """A video as vLLM's frame-sequence data URL: ``data:video/jpeg;base64,FRAME,FRAME,...``."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for _ in range(frames):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+        parts.append(base64.b64encode(buf.getvalue()).decode())
+    return "data:video/jpeg;base64," + ",".join(parts)
+
+
 def chat_body(model: str, urls: Sequence[str], text: str, *, max_tokens: int = 8,
               stream: bool = False) -> dict[str, Any]:
-    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    """A chat request: the media (image data URLs; ``data:video/...`` ones as videos), then the text."""
+    content: list[dict[str, Any]] = [
+        {"type": "video_url", "video_url": {"url": u}} if u.startswith("data:video/")
+        else {"type": "image_url", "image_url": {"url": u}} for u in urls]
     content.append({"type": "text", "text": text})
     return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, "logprobs": True, "prompt_logprobs": 0, "return_token_ids": True, "stream": stream}

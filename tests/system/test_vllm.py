@@ -34,6 +34,7 @@ from tests.support.vllm_stack import (
     launch_vllm,
     start_proxy,
     stop_vllm,
+    video_url,
     vllm_missing,
     wait_vllm,
 )
@@ -152,6 +153,9 @@ def test_outputs_through_proxy_equal_plain_vllm(stack: Stack) -> None:
         ("two known images, new text", [d, e], "which one is brighter?"),
         ("large image (downscaled)", [f], "what do you see"),
         ("the same image twice in one request", [b, b], "are these equal?"),
+        # Frames at a size both preprocessors keep (no resize), so the two pipelines see the same pixels.
+        ("a video of four frames", [video_url(20, 4, 128, 160)], "what happens?"),
+        ("an image and a video of three frames", [d, video_url(21, 3, 128, 160)], "and now?"),
         ("no image", [], "hello there"),
     ]
     pulls_before = _pulls(stack)

@@ -178,10 +178,37 @@ def test_local_files_only_under_the_allowed_directory(tmp_path: Path) -> None:
     assert status == 400 and "outside --allow-local-media" in answer["error"]["message"]
 
 
-def test_video_parts_and_bodies_that_are_not_chat_are_refused() -> None:
+def test_videos_become_embeds_parts_with_their_timestamps() -> None:
+    client = FakeClient()
+    frames = [b"frame-a", b"frame-b", b"frame-c"]
+    url = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+    body = {**_chat({"type": "video_url", "video_url": {"url": url}}), "media_io_kwargs": {"video": {"fps": 2}}}
+    status, _, _, seen = asyncio.run(_run(client, _ok, body))
+    assert status == 200
+    (spec,) = client.placed[0]
+    assert spec.kind == "video" and spec.frames == tuple(frames) and spec.fps == 0.0  # every frame kept
+    part = seen[0]["messages"][1]["content"][0]
+    assert part["type"] == "video_embeds" and part["uuid"] in from_params(seen[0]["ec_transfer_params"])
+    # The fake encoder answers grid (1, 4, 4): one temporal patch of frames 0, 1, 2 (padded with 2) at 2 fps.
+    assert part["video_embeds"] == {"video_grid_thw": [1, 4, 4], "timestamps": [(0 + 2) / 2 / 2]}
+
+
+def test_video_timestamps_follow_vllm() -> None:
+    from prefill_client.proxy import video_timestamps
+
+    assert video_timestamps(4, 1.0, 2) == [0.5, 2.5]
+    assert video_timestamps(3, 1.0, 2) == [0.5, 2.0]  # the last frame repeated
+    assert video_timestamps(6, 3.0, 3) == [1 / 6, 5 / 6, 1.5]
+
+
+def test_video_containers_and_bodies_that_are_not_chat_are_refused() -> None:
     video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
     status, _, answer, _ = asyncio.run(_run(FakeClient(), _ok, _chat(video)))
-    assert status == 400 and "video_url parts are not supported" in answer["error"]["message"]
+    assert status == 400 and "videos must be frame sequences" in answer["error"]["message"]
+    frames = {"type": "video_url", "video_url": {"url": "data:video/jpeg;base64,AAAA"}}
+    body = {**_chat(frames), "media_io_kwargs": {"video": {"fps": -1}}}
+    status, _, answer, _ = asyncio.run(_run(FakeClient(), _ok, body))
+    assert status == 400 and "fps must be a positive number" in answer["error"]["message"]
     status, _, answer, _ = asyncio.run(_run(FakeClient(), _ok, None, raw=b"{not json"))
     assert status == 400 and "not JSON" in answer["error"]["message"]
     status, _, answer, _ = asyncio.run(_run(FakeClient(), _ok, {"model": "m"}))
