@@ -231,16 +231,7 @@ class EncoderCacheClient:
         small). Items are hashed for routing only when there is more than one
         encoder to choose from.
         """
-        out: list[PulledItem | None] = [None] * len(items)
-        by_target: dict[str, list[int]] = collections.defaultdict(list)
-        for i, item in enumerate(items):
-            by_target[self._route(item.key)].append(i)
-        for target, indices in by_target.items():
-            pulled = self._with_failover(
-                items[indices[0]].key, target, lambda conn: self._encode_on(conn, [items[i] for i in indices]))
-            for i, p in zip(indices, pulled):
-                out[i] = p
-        return [p for p in out if p is not None]
+        return self._per_encoder(items, self._encode_on)
 
     def lookup(self, mm_hashes: Sequence[str], *, require: bool = False) -> list[PulledItem | None]:
         """Pull items known by mm_hash; ``None`` where no encoder has the item.
@@ -294,16 +285,7 @@ class EncoderCacheClient:
 
         The leases end when that process releases them, or at the encoder's lease ttl.
         """
-        out: list[Placement | None] = [None] * len(items)
-        by_target: dict[str, list[int]] = collections.defaultdict(list)
-        for i, item in enumerate(items):
-            by_target[self._route(item.key)].append(i)
-        for target, indices in by_target.items():
-            placed = self._with_failover(
-                items[indices[0]].key, target, lambda conn: self._place_on(conn, [items[i] for i in indices]))
-            for i, p in zip(indices, placed):
-                out[i] = p
-        return [p for p in out if p is not None]
+        return self._per_encoder(items, self._place_on)
 
     def pull_placed(self, placements: Sequence[Placement]) -> list[PulledItem]:
         """Pull placed items, verified, in order; one block READ and one tag READ per encoder.
@@ -434,6 +416,20 @@ class EncoderCacheClient:
         """The encoder for a new item: the first ready one in its rendezvous order (its key, a
         content digest, is computed only when there is a choice)."""
         return self._pool.order(key)[0]
+
+    def _per_encoder(self, items: Sequence[MediaSpec],
+                     call: Callable[[EncoderConnection, Sequence[MediaSpec]], list[_T]]) -> list[_T]:
+        """``call(conn, its items)`` once per encoder the items route to (with fail-over); results in order."""
+        out: list[_T | None] = [None] * len(items)
+        by_target: dict[str, list[int]] = collections.defaultdict(list)
+        for i, item in enumerate(items):
+            by_target[self._route(item.key)].append(i)
+        for target, indices in by_target.items():
+            done = self._with_failover(
+                items[indices[0]].key, target, lambda conn: call(conn, [items[i] for i in indices]))
+            for i, result in zip(indices, done):
+                out[i] = result
+        return [r for r in out if r is not None]
 
     def _with_failover(self, key: Callable[[], str], first: str,
                        call: Callable[[EncoderConnection], list[_T]]) -> list[_T]:
