@@ -290,8 +290,8 @@ class EncoderCacheClient:
     def pull_placed(self, placements: Sequence[Placement]) -> list[PulledItem]:
         """Pull placed items, verified, in order; one block READ and one tag READ per encoder.
 
-        A placement of another incarnation than the encoder's current one (it restarted) is
-        looked up again by mm_hash. An item no longer found is ``ECLoadFailure(evicted)``;
+        A placement of another incarnation than the encoder's current one (it restarted), or of
+        an encoder this client does not know by that name, is looked up by mm_hash instead. An item no longer found is ``ECLoadFailure(evicted)``;
         any failure fails the call, and every lease is given back.
         """
         out: list[PulledItem | None] = [None] * len(placements)
@@ -310,9 +310,9 @@ class EncoderCacheClient:
                 by_target[p.encoder].append(i)
         for target, indices in by_target.items():
             conn = self._pool.conn(target)
-            if conn is None:
-                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=placements[indices[0]].mm_hash,
-                                 detail=f"encoder {target} is not in the encoder list")
+            if conn is None:  # named otherwise here (or gone): find the items by mm_hash instead
+                stale += indices
+                continue
             try:
                 conn.peer()
             except grpc.RpcError as exc:

@@ -238,3 +238,36 @@ def test_one_bad_item_of_a_batched_pull_fails_alone(tmp_path) -> None:
             assert matches(again[0].embeddings, REF.image(a))
     finally:
         assert enc.terminate() == 0, enc.log()
+
+
+def test_placed_items_are_pulled_by_another_consumer_and_released_in_the_placers_name(encoder) -> None:
+    """What epd proxy and the vLLM connector do: one client places, another pulls and releases."""
+    import dataclasses
+
+    from tests.support.scrape import scrape
+
+    images = [image_bytes(120, 80, seed=40 + i) for i in range(3)]
+    with EncoderCacheClient(encoder.target, MODEL, transport_kind=encoder.transport, consumer_id="placer") as placer, \
+            EncoderCacheClient(encoder.target, MODEL, transport_kind=encoder.transport, consumer_id="puller") as puller:
+        placed = placer.place([MediaSpec.image(b) for b in images])
+        assert [p.owner for p in placed] == ["placer"] * 3 and placer.metrics.pulls._value.get() == 0
+        assert scrape(encoder.metrics_port).get("epd_encoder_leases_active") >= 3
+        # The third names the encoder otherwise than the puller knows it: found by mm_hash instead.
+        renamed = dataclasses.replace(placed[2], encoder="elsewhere:1")
+        pulled = puller.pull_placed([placed[0], placed[1], renamed])
+        for p, data in zip(pulled, images):
+            assert matches(p.embeddings, REF.image(data)), p.mm_hash
+        assert [p.mm_hash for p in pulled] == [p.mm_hash for p in placed]
+        deadline = time.monotonic() + 5
+        while scrape(encoder.metrics_port).get("epd_encoder_leases_active") > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # The two placed leases went back in the placer's name; only the renamed one's remains (ttl).
+        assert scrape(encoder.metrics_port).get("epd_encoder_leases_active") <= 1
+        # A placement whose location names other blocks fails the check, loudly.
+        fresh = placer.place([MediaSpec.image(image_bytes(64, 64, seed=49))])[0]
+        loc = type(fresh.location)()
+        loc.CopyFrom(fresh.location)
+        loc.block_ids[0] = placed[0].location.block_ids[0]
+        with pytest.raises(ECLoadFailure) as info:
+            puller.pull_placed([dataclasses.replace(fresh, location=loc)])
+        assert info.value.reason in (LoadFailureReason.TAG_MISMATCH, LoadFailureReason.GENERATION_MISMATCH)
