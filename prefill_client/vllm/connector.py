@@ -162,7 +162,7 @@ def _worker_device() -> torch.device:
 
 @dataclass
 class _Wanted:
-    """One item a request needs: its identifier, the rows it must have, where the proxy left it."""
+    """One item a request needs: its identifier and the number of rows the prompt has for it."""
 
     identifier: str
     num_embeds: int
@@ -240,8 +240,8 @@ class _SchedulerSide:
             self._fail(rid, f"{type(exc).__name__}: {exc}")
             return False
         for w in missing:
-            got = rows[w.identifier]
-            problem = self._shape_problem(w, got)
+            got = rows.get(w.identifier)
+            problem = f"item {w.identifier} was not delivered" if got is None else self._shape_problem(w, got)
             if problem is not None:
                 self.metrics.load_failures.labels(reason=LoadFailureReason.TOKEN_COUNT.value).inc()
                 self._fail(rid, problem)
@@ -250,12 +250,14 @@ class _SchedulerSide:
         return all(w.identifier in self._rows for w in wanted)
 
     def _wanted(self, request: Request, num_computed_tokens: int) -> list[_Wanted]:
-        """The request's items whose placeholders are not all covered by its prefix-cache hit."""
+        """The request's items (each once) whose placeholders are not all covered by its prefix-cache hit."""
         out: list[_Wanted] = []
+        seen: set[str] = set()
         for index, feature in enumerate(request.mm_features):
             pos = feature.mm_position
-            if pos.offset + pos.length <= num_computed_tokens:
+            if pos.offset + pos.length <= num_computed_tokens or feature.identifier in seen:
                 continue
+            seen.add(feature.identifier)
             out.append(_Wanted(feature.identifier, int(request.get_num_encoder_embeds(index))))
         return out
 

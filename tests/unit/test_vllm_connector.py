@@ -161,6 +161,16 @@ def test_rows_stay_while_another_request_needs_them() -> None:
     side.close()
 
 
+def test_an_item_twice_in_a_request_is_pulled_once() -> None:
+    client = FakeClient({"a": 4})
+    client.gate.set()
+    side = _side(client)
+    req = _request("r1", [("a", 4), ("a", 4)], to_params([_placement("a")]))
+    assert _until(lambda: side.ensure(req, 0))
+    assert client.calls == [("pull_placed", ["a"])]
+    side.close()
+
+
 def test_items_inside_the_prefix_hit_are_not_pulled() -> None:
     client = FakeClient({"a": 4, "b": 4})
     client.gate.set()
