@@ -21,7 +21,6 @@ calling :meth:`EncoderCacheClient.encode` on random pairs of 24 images.
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from prefill_client.client import EncoderCacheClient
 from prefill_client.encoder_conn import MediaSpec
 from tests.reliability.conftest import SHARED_TRANSPORT
 from tests.reliability.support import MODEL, SERVING, health, occupancy, start_encoder_soon, wait_until
+from tests.support.json_lines import last_json_object
 from tests.support.media import image_bytes
 from tests.support.outcomes import untyped
 from tests.support.procs import EncoderProcess
@@ -83,7 +83,7 @@ def run_clients(enc: EncoderProcess, media: Path, *, seconds: float, max_deliver
         for proc in procs:
             out, err = proc.communicate(timeout=seconds + 120)
             assert proc.returncode == 0, err[-4000:]
-            reports.append(json.loads(out.strip().splitlines()[-1]))
+            reports.append(last_json_object(out))
     finally:
         for proc in procs:
             if proc.poll() is None:

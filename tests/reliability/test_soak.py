@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.support.json_lines import last_json_object
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOAK_SECONDS = 20
@@ -26,7 +27,7 @@ def test_short_soak(tmp_path: Path) -> None:
         proc.communicate(timeout=30)
         raise AssertionError("the soak hung") from None
     assert proc.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary = last_json_object(out)
     assert {"requests", "failures", "wrong_embeddings", "rss_start_mb", "rss_end_mb"} <= summary.keys()
     assert summary["wrong_embeddings"] == 0
     assert summary["requests"] > 0 and summary["delivered_items"] > 0

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from common import metrics as m
+from tests.support.json_lines import last_json_object
 from tests.support.media import image_bytes, video_frames
 from tests.support.procs import start_encoder
 from tests.support.reference import Reference, matches
@@ -47,7 +48,7 @@ def _finish(proc: subprocess.Popen[bytes]) -> dict:  # type: ignore[type-arg]
         proc.kill()
         out, err = proc.communicate(timeout=10)
     assert proc.returncode == 0, err.decode(errors="replace")
-    return json.loads(out.decode().strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return last_json_object(out)  # type: ignore[no-any-return]
 
 
 def _load(tmp: Path, name: str) -> dict[str, torch.Tensor]:

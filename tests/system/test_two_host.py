@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.json_lines import last_json_object
 from tests.support.media import image_bytes
 from tests.support.reference import Reference, matches
 from tests.transport_params import NIXL_OK, NIXL_REASON
@@ -132,7 +133,7 @@ def _consumer(h: Hosts, tmp: Path, target: str, name: str, *args: str) -> dict: 
     proc = subprocess.run(cmd, capture_output=True, timeout=CLIENT_TIMEOUT_S, env=h.env(h.consumer_dev),
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
-    return json.loads(proc.stdout.decode().strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return last_json_object(proc.stdout)  # type: ignore[no-any-return]
 
 
 def test_nixl_read_crosses_the_veth_between_two_namespaces(hosts: Hosts, tmp_path: Path) -> None:
