@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -465,32 +466,14 @@ class EncoderCacheClient:
 
     # --- encode + pull ----------------------------------------------------------------------
 
-    def _encode_on(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> list[PulledItem]:
-        attempts = 2 if self.failure_policy is FailurePolicy.RETRY else 1
-        for attempt in range(attempts):
-            try:
-                return self._pull(conn, self._encode_admitted(conn, items))
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # overloaded, not down: no fail-over
-                    raise self._fail(LoadFailureReason.TIMEOUT, [], f"Encode on {conn.target}: {exc.details()}",
-                                     mm_hash=items[0].key()) from exc
-                if exc.code() in _GONE:
-                    raise _EncoderDown(str(exc.details())) from exc
-                raise
-            except (PeerDisconnected, WeightsMismatchError) as exc:  # unusable here: the next encoder
-                raise _EncoderDown(str(exc)) from exc
-            except ECLoadFailure as exc:  # from the answer (an item left the cache) or from the pull
-                if attempt + 1 < attempts and exc.reason in _RETRYABLE:
-                    logger.warning("retrying after %s", exc)
-                    continue
-                raise
-        raise AssertionError("unreachable")
-
-    def _place_on(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> list[Placement]:
+    @contextlib.contextmanager
+    def _calling(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> Iterator[None]:
+        """What an Encode call's failures mean: overloaded (a timeout, no fail-over), or the
+        encoder unusable here (``_EncoderDown``: the next one in rendezvous order)."""
         try:
-            locations = self._encode_admitted(conn, items)
+            yield
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # overloaded, not down: no fail-over
                 raise self._fail(LoadFailureReason.TIMEOUT, [], f"Encode on {conn.target}: {exc.details()}",
                                  mm_hash=items[0].key()) from exc
             if exc.code() in _GONE:
@@ -498,6 +481,23 @@ class EncoderCacheClient:
             raise
         except (PeerDisconnected, WeightsMismatchError) as exc:
             raise _EncoderDown(str(exc)) from exc
+
+    def _encode_on(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> list[PulledItem]:
+        attempts = 2 if self.failure_policy is FailurePolicy.RETRY else 1
+        with self._calling(conn, items):
+            for attempt in range(attempts):
+                try:
+                    return self._pull(conn, self._encode_admitted(conn, items))
+                except ECLoadFailure as exc:  # from the answer (an item left the cache) or from the pull
+                    if attempt + 1 < attempts and exc.reason in _RETRYABLE:
+                        logger.warning("retrying after %s", exc)
+                        continue
+                    raise
+        raise AssertionError("unreachable")
+
+    def _place_on(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> list[Placement]:
+        with self._calling(conn, items):
+            locations = self._encode_admitted(conn, items)
         for loc in locations:
             self._where[loc.mm_hash] = conn.target
         return [Placement(loc.mm_hash, conn.target, conn.incarnation_id, loc, conn.weights_digest, self.consumer_id)

@@ -166,8 +166,6 @@ class Proxy:
                 body["ec_transfer_params"] = params
             return await self._forward("POST", CHAT_PATH, body, request, placements)
         except HttpError as exc:
-            if placements and exc.status in (502,):
-                self.client.release_placed(placements)
             return exc.response()
 
     # --- media -------------------------------------------------------------------------------
@@ -184,16 +182,10 @@ class Proxy:
                 label = f"messages[{m}].content[{p}]"
                 kind = part.get("type")
                 if kind == "image_url":
-                    url = part.get("image_url")
-                    url = url.get("url") if isinstance(url, dict) else url
-                    if not isinstance(url, str) or not url:
-                        raise HttpError(400, f"{label}: image_url has no url")
-                    data = await self._read_url(url, label)
+                    data = await self._read_url(_part_url(part, kind, label), label)
                     parts.append(_Part(content, p, label, MediaSpec.image(data, uuid=label)))
                 elif kind == "video_url":
-                    url = part.get("video_url")
-                    url = url.get("url") if isinstance(url, dict) else url
-                    frames = _video_frames(url, label)
+                    frames = _video_frames(_part_url(part, kind, label), label)
                     # fps 0: the encoder keeps every frame, as vLLM does with a frame sequence.
                     parts.append(_Part(content, p, label, MediaSpec.video(frames, 0.0, uuid=label), video_fps))
                 elif kind in ("input_audio", "audio_url"):
@@ -211,7 +203,7 @@ class Proxy:
                 raise HttpError(400, f"{label}: data URL is not valid base64 ({exc})") from exc
         parsed = urlparse(url)
         if parsed.scheme == "file":
-            return self._read_local(unquote(parsed.path), label)
+            return await asyncio.to_thread(self._read_local, unquote(parsed.path), label)
         if parsed.scheme in ("http", "https"):
             if parsed.hostname not in self.cfg.allow_remote_media:
                 raise HttpError(400, f"{label}: remote media URLs are refused (host {parsed.hostname!r} is "
@@ -279,10 +271,10 @@ class Proxy:
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 errors.append(f"{base}: {exc or type(exc).__name__}")
                 continue
+            if resp.status >= 400 and placements:
+                # Refused or failed: its leases may never be pulled (a second release is harmless).
+                self.client.release_placed(placements)
             async with resp:
-                if resp.status >= 400 and placements:
-                    # Refused or failed: its leases may never be pulled (a second release is harmless).
-                    self.client.release_placed(placements)
                 if resp.status >= 500 and placements:
                     text = await resp.text()
                     why = await asyncio.to_thread(self._diagnose, placements)
@@ -295,6 +287,7 @@ class Proxy:
                     await out.write(chunk)
                 await out.write_eof()
                 return out
+        self.client.release_placed(placements)  # nobody will pull them
         raise HttpError(502, f"no backend reachable ({'; '.join(errors)})", kind="service_unavailable")
 
     def _diagnose(self, placements: Sequence[Placement]) -> str:
@@ -323,10 +316,17 @@ class Proxy:
         return "; ".join(notes) if notes else "its items are still on their encoders (see the backend's log)"
 
 
-def _video_frames(url: Any, label: str) -> list[bytes]:
-    """The frames of a ``data:video/jpeg;base64,FRAME,FRAME,...`` URL (vLLM's frame-sequence form)."""
+def _part_url(part: dict[str, Any], kind: str, label: str) -> str:
+    """The URL of an ``image_url`` / ``video_url`` part (``{"url": ...}`` or the bare string)."""
+    url = part.get(kind)
+    url = url.get("url") if isinstance(url, dict) else url
     if not isinstance(url, str) or not url:
-        raise HttpError(400, f"{label}: video_url has no url")
+        raise HttpError(400, f"{label}: {kind} has no url")
+    return url
+
+
+def _video_frames(url: str, label: str) -> list[bytes]:
+    """The frames of a ``data:video/jpeg;base64,FRAME,FRAME,...`` URL (vLLM's frame-sequence form)."""
     head, sep, payload = url.partition(",")
     if not url.startswith("data:") or not sep or head.lower() != "data:video/jpeg;base64":
         raise HttpError(400, f"{label}: videos must be frame sequences, data:video/jpeg;base64,FRAME,FRAME,... "

@@ -32,20 +32,24 @@ class EncoderProcess:
         return self.log_path.read_text(errors="replace")
 
     def terminate(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then wait; SIGKILL only if it does not exit within ``timeout``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return terminate(self.proc, timeout)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def terminate(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    """SIGTERM, then wait; SIGKILL only if it does not exit within ``timeout``. The exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return int(proc.returncode)
 
 
 def start_encoder(tmp_path: Path, *args: str, env: dict[str, str] | None = None,

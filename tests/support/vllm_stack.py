@@ -27,6 +27,8 @@ import httpx
 import numpy as np
 from PIL import Image
 
+from tests.support.procs import terminate
+
 VLLM_READY_TIMEOUT_S = 300.0
 PROXY_READY_TIMEOUT_S = 60.0
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -65,13 +67,7 @@ class Server:
         return self.proc.poll() is None
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc, timeout)
 
 
 def _wait_healthy(server: Server, timeout_s: float, what: str) -> Server:

@@ -42,7 +42,7 @@ from tests.unit import deploy_helpers as dh
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-K8S_VERSION = "1.31"
+K8S_VERSION = dh.K8S_VERSION
 
 OVERLAYS = ("cpu", "efa", "rdma", "neuron")
 # What each variant is for: the UCX transport it must select and the device
@@ -54,9 +54,6 @@ DEVICES = {
     "rdma": {"rdma/ib"},
     "neuron": {"aws.amazon.com/neuron", "vpc.amazonaws.com/efa"},
 }
-# Kinds outside the core API: no schema ships with kubernetes-validate, so
-# they are checked field by field below. Anything else without a schema fails.
-CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor")}
 PODMONITOR_SPEC_FIELDS = {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel", "podTargetLabels"}
 PODMONITOR_ENDPOINT_FIELDS = {"port", "path", "interval", "scrapeTimeout", "scheme", "honorLabels",
                               "relabelings", "metricRelabelings"}
@@ -101,16 +98,7 @@ def test_overlay_directories_are_the_tested_ones() -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_core_objects_validate_strict(rendered: dict[str, dh.Rendered], overlay: str) -> None:
-    errors = []
-    for obj in rendered[overlay].objects:
-        if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
-            continue
-        try:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            errors.append(f"{obj['kind']}/{obj['metadata']['name']}: {'.'.join(map(str, exc.path))}: {exc.message}")
-        except kubernetes_validate.SchemaNotFoundError as exc:
-            errors.append(f"{obj['kind']}/{obj['metadata']['name']}: {exc.message}")
+    errors = dh.strict_errors(rendered[overlay].objects)
     assert not errors, "\n".join(errors)
 
 

@@ -13,7 +13,6 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 
 from common.config import (
@@ -28,8 +27,6 @@ from tests.unit import deploy_helpers as dh
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-K8S_VERSION = "1.31"
-CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor")}
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +61,7 @@ def _service_target(r: dh.Rendered, name: str, port: int) -> tuple[dict[str, Any
 
 
 def test_core_objects_validate_strict(rendered: dh.Rendered) -> None:
-    errors = []
-    for obj in rendered.objects:
-        if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
-            continue
-        try:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
-        except (kubernetes_validate.ValidationError, kubernetes_validate.SchemaNotFoundError) as exc:
-            errors.append(f"{obj['kind']}/{obj['metadata']['name']}: {exc}")
+    errors = dh.strict_errors(rendered.objects)
     assert not errors, "\n".join(errors)
 
 
