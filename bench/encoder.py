@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.malloc import keep_freed_memory  # noqa: E402
 from encoder_server.preprocess import PreprocessConfig, Preprocessor, ProcessedItem  # noqa: E402
 from encoder_server.vision import EncoderRunner, VisionEncoder, default_tokens_per_block, load_encoder  # noqa: E402
 from tests.support.media import image_bytes  # noqa: E402
@@ -124,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                                            "serving_compiled",
                         help="paths to run; transformers is the reference and always runs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc thresholds as they are (epd encoder sets them)")
     args = parser.parse_args(argv)
+    malloc_kept = False if args.default_malloc else keep_freed_memory()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     wanted = {p.strip() for p in args.paths.split(",") if p.strip()} | {"transformers"}
@@ -189,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "encoder",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "keep_freed_memory": malloc_kept,
         "preset": args.preset,
         "config": {"depth": encoder.config.depth, "hidden_size": encoder.config.hidden_size,
                    "fat_dim": encoder.fat_dim},

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from common.errors import ConfigError
 from encoder_server.vision import VisionConfig, load_encoder
-from encoder_server.vision.model import frame_attention, frame_runs, sdpa_frame_attention
+from encoder_server.vision.model import TanhGELU, frame_attention, frame_runs, rotary_cos_sin, sdpa_frame_attention
 from encoder_server.vision.positions import frame_interpolation, frame_positions
 
 qwen3_vl = pytest.importorskip("transformers.models.qwen3_vl.modeling_qwen3_vl")
@@ -176,3 +176,16 @@ def test_frame_attention_equals_a_dense_masked_reference(attention: Any) -> None
     # one run covering every row: the same numbers, no padding
     single = attention(q[:24], k[:24], v[:24], torch.tensor([12, 12]))
     torch.testing.assert_close(single, dense[:24], atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_gelu_and_rotary_ops_equal_their_eager_forms() -> None:
+    # The graph computes tanh-GELU as x * sigmoid(2u) and the rotary angles as one opaque op.
+    x = torch.linspace(-12, 12, 4097)
+    compiled = torch.compile(TanhGELU(), dynamic=False, fullgraph=True)
+    torch.testing.assert_close(compiled(x), torch.nn.functional.gelu(x, approximate="tanh"), atol=1e-6, rtol=1e-6)
+    encoder = load_encoder()
+    positions = frame_positions(6, 4, 2)
+    cos, sin = rotary_cos_sin(positions, encoder.rotary_pos_emb.inv_freq)
+    want_cos, want_sin = encoder.rotary_pos_emb(positions)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert cos.shape == (24, encoder.config.head_dim // 2)

@@ -49,9 +49,9 @@ inline __m512 exp2_512(__m512 y) {
 }
 
 // One task: rows [0, qn) of q (row stride qs) of one frame and head, against the frame's L keys.
-// kt: keys transposed, [D, ks] (column 0 = the frame's first key); v: [L, D] contiguous.
+// kt: keys transposed, [D, ks] (column 0 = the frame's first key); v: [L, D] with row stride vs.
 template <int NV>
-void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float* v, int64_t L, int qn,
+void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float* v, int64_t vs, int64_t L, int qn,
             float scale, float* out, int64_t os) {
   constexpr int D = NV * 16;
   // q rows per pass of p.v: PR * NV accumulators in registers; a power of two, so passes tile the 16 rows.
@@ -120,7 +120,7 @@ void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float
       for (int r = 0; r < PR; ++r)
         for (int c = 0; c < NV; ++c) acc[r][c] = r < rows ? O[i0 + r][c] : _mm512_setzero_ps();
       for (int j = 0; j < kn; ++j) {
-        const float* vr = v + (j0 + j) * D;
+        const float* vr = v + (j0 + j) * vs;
         for (int c = 0; c < NV; ++c) {
           const __m512 vv = _mm512_loadu_ps(vr + c * 16);
           for (int r = 0; r < PR; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(S[i0 + r][j]), vv, acc[r][c]);
@@ -136,8 +136,8 @@ void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float
   }
 }
 
-using AttendFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, int, float, float*,
-                          int64_t);
+using AttendFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, int, float,
+                          float*, int64_t);
 
 AttendFn attend_for(int64_t head_dim) {
   switch (head_dim) {
@@ -160,7 +160,8 @@ torch::Tensor frame_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(), "q, k, v must be [rows, heads, head_dim]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "float32 only");
-  TORCH_CHECK(q.device().is_cpu() && q.stride(2) == 1, "CPU tensors with a contiguous last dim");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v need a contiguous last dim");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const AttendFn fn = attend_for(dim);
   TORCH_CHECK(fn != nullptr, "unsupported head_dim ", dim);
@@ -177,9 +178,27 @@ torch::Tensor frame_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   auto out = torch::empty({rows, heads, dim}, q.options());
   if (used < rows) out.narrow(0, used, rows - used).zero_();
   if (used == 0) return out;
-  // Per head: keys transposed [dim, used] and values [used, dim], contiguous.
-  const auto kt = k.narrow(0, 0, used).permute({1, 2, 0}).contiguous();
-  const auto vh = v.narrow(0, 0, used).permute({1, 0, 2}).contiguous();
+  // Per head, keys transposed: kt[h][d][j] = k[j][h][d], so that a vector load takes 16 keys' values at one d.
+  // Packed in tiles of 64 rows (their keys stay in L1 while every head and dim is written), in parallel.
+  // Values are read where they lie, one row of head_dim at a time.
+  const auto kt = torch::empty({heads, dim, used}, q.options());
+  {
+    const float* kp = k.data_ptr<float>();
+    float* tp = kt.data_ptr<float>();
+    const int64_t krs = k.stride(0), khs = k.stride(1);
+    constexpr int64_t kTile = 64;
+    at::parallel_for(0, (used + kTile - 1) / kTile, 1, [&](int64_t tb, int64_t te) {
+      for (int64_t tile = tb; tile < te; ++tile) {
+        const int64_t j0 = tile * kTile, j1 = std::min(used, j0 + kTile);
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t d = 0; d < dim; ++d) {
+            float* dst = tp + (h * dim + d) * used;
+            const float* src = kp + h * khs + d;
+            for (int64_t j = j0; j < j1; ++j) dst[j] = src[j * krs];
+          }
+      }
+    });
+  }
   struct Task { int64_t frame, head, first; };
   std::vector<Task> tasks;
   std::vector<int64_t> cost{0};  // prefix sums of each task's key count: threads get equal shares of work
@@ -192,9 +211,9 @@ torch::Tensor frame_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   const float scale = 1.4426950408889634f / std::sqrt(static_cast<float>(dim));  // log2(e) / sqrt(d)
   const float* qp = q.data_ptr<float>();
   const float* ktp = kt.data_ptr<float>();
-  const float* vp = vh.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t qrs = q.stride(0), qhs = q.stride(1);
+  const int64_t qrs = q.stride(0), qhs = q.stride(1), vrs = v.stride(0), vhs = v.stride(1);
   const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
   auto share_start = [&](int64_t share) {
     if (share >= shares) return static_cast<int64_t>(tasks.size());
@@ -206,8 +225,8 @@ torch::Tensor frame_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
       const int64_t start = starts[task.frame], size = sizes[task.frame];
       const int qn = static_cast<int>(std::min<int64_t>(kQueryRows, size - task.first));
       fn(qp + (start + task.first) * qrs + task.head * qhs, qrs, ktp + task.head * dim * used + start, used,
-         vp + (task.head * used + start) * dim, size, qn, scale, op + ((start + task.first) * heads + task.head) * dim,
-         heads * dim);
+         vp + start * vrs + task.head * vhs, vrs, size, qn, scale,
+         op + ((start + task.first) * heads + task.head) * dim, heads * dim);
     }
   });
   return out;
