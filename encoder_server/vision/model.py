@@ -85,11 +85,14 @@ class PatchEmbed(nn.Module):
         return F.linear(x, weight, self.proj.bias)
 
 
+_ONEDNN: bool = (bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+                 and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
 def _onednn_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Eager float32 inference on a CPU with oneDNN: the patch embedding may take its matmul."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.dim() == 2 and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.dim() == 2 and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
 
 
 class VisionMLP(nn.Module):
@@ -374,7 +377,8 @@ class VisionEncoder(nn.Module):
     def _add_position_table(self, x: torch.Tensor, interp_index: torch.Tensor,
                             interp_weight: torch.Tensor) -> torch.Tensor:
         table = self.pos_embed(interp_index)  # [..., 4, hidden]
-        return x + (table * interp_weight.unsqueeze(-1)).sum(dim=-2).to(x.dtype)
+        out: torch.Tensor = x + (table * interp_weight.unsqueeze(-1)).sum(dim=-2).to(x.dtype)
+        return out
 
     def _layers(self, x: torch.Tensor, run: Callable[[VisionBlock, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         # Blocks run in layer order, so the deepstack features come out in layer
