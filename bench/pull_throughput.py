@@ -5,9 +5,10 @@ per block size through :class:`ProducerTransport`; this process pulls random
 blocks from it three ways, round-robin in the same run so a noisy neighbour
 slows all of them alike, and reports the median of the repeats:
 
-- ``verified_gbps``: the project's pull through :class:`ConsumerTransport`:
-  ``read_blocks`` into landing blocks, then ``read_tags`` (a second READ),
-  then the fingerprint and generation checks. As in the client, the lease
+- ``verified_gbps``: the project's pull through :class:`ConsumerTransport`
+  as the client makes it (``ProducerPeer.read_blocks_and_tags``): the block
+  READ into landing blocks, then the tag READ (a second READ), then the
+  fingerprint and generation checks. As in the client, the lease
   release is not on the tag READ (the client queues it for a batched Release
   RPC off the pull path); ``--release-on-tag-read`` puts it back as the READ's
   NIXL notification, to show what that costs;
@@ -194,12 +195,17 @@ def verified_pull(peer: ProducerPeer, remote: np.ndarray, local: np.ndarray, exp
                   release: bool = False) -> None:
     """The project's pull: blocks, then tags and generations, then the checks (``release``: the
     lease release rides on the tag READ as its notification)."""
-    deadline = time.monotonic() + 60
-    peer.read_blocks(remote, local, deadline)
-    notif = encode_release_notification([len(remote)]) if release else b""
-    tags, gens = peer.read_tags(remote, deadline, notif=notif)
+    tags: list[int]
+    gens: list[int]
+    if release:
+        deadline = time.monotonic() + 60
+        peer.read_blocks(remote, local, deadline)
+        tag_array, gen_array = peer.read_tags(remote, deadline, notif=encode_release_notification([len(remote)]))
+        tags, gens = tag_array.tolist(), gen_array.tolist()
+    else:  # as the client pulls
+        tags, gens = peer.read_blocks_and_tags(remote, local, 60.0)
     # The same comparisons as prefill_client.verify.verify_batch: two list compares.
-    if not (tags.tolist() == expected[remote].tolist() and gens.tolist() == [GENERATION] * len(remote)):
+    if not (tags == expected[remote].tolist() and gens == [GENERATION] * len(remote)):
         raise RuntimeError(f"verification failed: tags {tags} for blocks {remote}")
 
 

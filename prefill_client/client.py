@@ -590,9 +590,8 @@ class EncoderCacheClient:
             local = np.asarray(local_ids, dtype=np.int32)
             peer = conn.peer()
             try:
-                peer.read_blocks(remote, local, time.monotonic() + self.pull_timeout_s)
-                # Only after the rows are in: the tags and generations that prove them.
-                tags, gens = peer.read_tags(remote, time.monotonic() + self.pull_timeout_s)
+                # The rows, then, only once they are in, the tags and generations that prove them.
+                tags, gens = peer.read_blocks_and_tags(remote, local, self.pull_timeout_s)
             except TransferTimeout as exc:
                 raise self._fail(LoadFailureReason.TIMEOUT, locs, str(exc)) from exc
             except (PeerDisconnected, TransportError) as exc:

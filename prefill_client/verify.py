@@ -31,7 +31,7 @@ def check_location(loc: pb2.ItemLocation, block_size: int) -> None:
             detail=f"blocks {list(loc.block_ids)} with tokens {tpb} do not hold {loc.num_tokens} tokens")
 
 
-def verify_item(loc: pb2.ItemLocation, tags: np.ndarray, gens: np.ndarray) -> None:
+def verify_item(loc: pb2.ItemLocation, tags: np.ndarray | Sequence[int], gens: np.ndarray | Sequence[int]) -> None:
     """Prove that rows READ for ``loc`` are its item, from the tags and generations READ *after* them.
 
     ``tags[j]`` and ``gens[j]`` are what block ``loc.block_ids[j]`` carried
@@ -63,7 +63,8 @@ def gather_rows(landing: torch.Tensor, local_ids: np.ndarray, tokens_per_block: 
     return torch.cat(rows) if len(rows) > 1 else rows[0].clone()
 
 
-def verify_batch(locs: Sequence[pb2.ItemLocation], tags: np.ndarray, gens: np.ndarray) -> list[ECLoadFailure | None]:
+def verify_batch(locs: Sequence[pb2.ItemLocation], tags: np.ndarray | Sequence[int],
+                 gens: np.ndarray | Sequence[int]) -> list[ECLoadFailure | None]:
     """:func:`verify_item` for consecutive items; ``tags``/``gens`` hold their blocks in order.
 
     Returns, per item, ``None`` (proven) or the ``ECLoadFailure`` it raised:
@@ -78,7 +79,7 @@ def verify_batch(locs: Sequence[pb2.ItemLocation], tags: np.ndarray, gens: np.nd
     want_tags = [fp for fp, n in zip(expected, counts) for _ in range(n)]
     want_gens = [loc.generation for loc, n in zip(locs, counts) for _ in range(n)]
     if (all(loc.fingerprint == fp for loc, fp in zip(locs, expected))
-            and tags.tolist() == want_tags and gens.tolist() == want_gens):
+            and _as_list(tags) == want_tags and _as_list(gens) == want_gens):
         return [None] * len(locs)
     out: list[ECLoadFailure | None] = []
     offset = 0
@@ -90,6 +91,10 @@ def verify_batch(locs: Sequence[pb2.ItemLocation], tags: np.ndarray, gens: np.nd
             out.append(exc)
         offset += n
     return out
+
+
+def _as_list(values: np.ndarray | Sequence[int]) -> list[int]:
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 def gather_batch(landing: torch.Tensor, local_ids: np.ndarray, locs: Sequence[pb2.ItemLocation]

@@ -126,7 +126,10 @@ class ConsumerTransport:
             return self._side
         blocks = torch.zeros((self.num_landing_blocks, shape.block_size, shape.fat_dim), dtype=shape.dtype,
                              device=self.device)
-        tags = torch.zeros((self.num_tag_slots, 2), dtype=torch.int64)  # per slot: tag, generation
+        # Per row a tag and a generation: row i < num_landing_blocks is landing block i's own (the
+        # tag READ of read_blocks_and_tags, whose caller holds that block); the rows after them
+        # are the pool of tag slots read_tags takes from.
+        tags = torch.zeros((self.num_landing_blocks + self.num_tag_slots, 2), dtype=torch.int64)
         landing_region, tag_region = RegionDesc.of_tensor(blocks), RegionDesc.of_tensor(tags)
         with self._lock, binding_errors("register the landing pool"):
             self._registrations.append(self._agent.register_memory(blocks))
@@ -137,8 +140,9 @@ class ConsumerTransport:
         self._side = LocalSide(
             agent=self._agent, lock=self._lock,
             landing=LandingPool(self.num_landing_blocks, shape, blocks),
-            tag_slots=SlotPool(self.num_tag_slots, what="tag slot"),
-            tag_values=tags.numpy(), blocks_dlist=blocks_dlist, tags_dlist=tags_dlist,
+            tag_slots=SlotPool(self.num_tag_slots, what="tag slot"), tag_slot_row=self.num_landing_blocks,
+            tag_values=tags.numpy(), tag_words=memoryview(tags.numpy().data).cast("B").cast("q"),
+            blocks_dlist=blocks_dlist, tags_dlist=tags_dlist,
             on_closed=self._peer_closed, on_drained=self._peer_drained,
         )
         logger.info("consumer %s (%s): %d landing blocks of %d bytes, %d tag slots", self.agent_name,

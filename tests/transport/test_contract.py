@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -109,6 +110,78 @@ def test_tags_and_generations_are_a_second_read_after_the_blocks(
     assert generations.tolist() == [seed, 42, seed]
     for r, lid in zip(remote.tolist(), local.tolist(), strict=True):
         assert torch.equal(landing.tensor[lid], producer.reference(r))
+
+
+def test_blocks_and_tags_in_one_call_read_the_tags_only_after_the_blocks(
+        consumer: ConsumerTransport, producer: ProducerProcess, peer: ProducerPeer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tag READ's handle is made before the block READ is posted, yet the tags are read after
+    # the blocks: a stamp changed between the two READs is what the call returns.
+    seed = producer.seed
+    remote = np.array([4, 9, 2], dtype=np.int32)
+    landing = consumer.landing
+    pool = consumer.tag_slots.num_free
+    read = peer._read
+    reads: list[str] = []
+
+    def read_then_reuse(what: str, *args: Any) -> None:
+        read(what, *args)
+        reads.append(what)
+        if what == "block READ":
+            producer.stamp(9, 777, 42)
+
+    monkeypatch.setattr(peer, "_read", read_then_reuse)
+    local = landing.acquire(3)
+    assert local is not None
+    try:
+        fingerprints, generations = peer.read_blocks_and_tags(remote, local, 5.0)
+        with pytest.raises(ValueError, match="remote block id 99"):
+            peer.read_blocks_and_tags(np.array([99], dtype=np.int32), local[:1], 5.0)
+    finally:
+        landing.release(local)
+        producer.stamp(9, tag_of(seed, 9), seed)
+    assert reads == ["block READ", "tag READ"]
+    assert fingerprints == [tag_of(seed, 4), 777, tag_of(seed, 2)]
+    assert generations == [seed, 42, seed]
+    for r, lid in zip(remote.tolist(), local.tolist(), strict=True):
+        assert torch.equal(landing.tensor[lid], producer.reference(r))
+    assert consumer.tag_slots.num_free == pool  # the tags land in the landing blocks' own rows
+
+
+def test_a_tag_read_timing_out_after_the_blocks_quarantines_the_landing_blocks(
+        consumer: ConsumerTransport, producer: ProducerProcess, peer: ProducerPeer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The producer freezes between the two READs: the tag READ times out, and since it may still
+    # write the landing blocks' tag rows, those blocks stay out of use until it is proven quiet.
+    landing = consumer.landing
+    read = peer._read
+
+    def read_then_freeze(what: str, *args: Any) -> None:
+        read(what, *args)
+        if what == "block READ":
+            producer.pause()
+
+    monkeypatch.setattr(peer, "_read", read_then_freeze)
+    local = landing.acquire(2)
+    assert local is not None
+    pool = consumer.tag_slots.num_free
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            peer.read_blocks_and_tags(np.array([5, 6], dtype=np.int32), local, 0.3)
+        assert time.monotonic() - started < 0.5
+        assert sorted(landing.quarantined_ids().tolist()) == sorted(local.tolist())
+        landing.release(local)  # a no-op: they belong to the quarantine now
+        assert consumer.sweep_quarantine() == 0 and landing.num_quarantined == 2
+        assert consumer.tag_slots.num_free == pool and consumer.tag_slots.num_quarantined == 0
+    finally:
+        producer.resume()
+    limit = soon(10.0)
+    while landing.num_quarantined:
+        assert time.monotonic() < limit, "the quarantine never lifted after the producer resumed"
+        consumer.sweep_quarantine()
+        time.sleep(0.01)
+    assert landing.num_free == landing.num_blocks and not peer.closed
 
 
 def test_lease_release_notification_reaches_the_producer(producer: ProducerProcess, peer: ProducerPeer) -> None:
