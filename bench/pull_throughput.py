@@ -37,7 +37,7 @@ holds ``max batch + 2`` blocks of the largest size, the consumer ``max batch
 buffers at 16 MiB x 64.
 
 Usage: ``python bench/pull_throughput.py [--transport auto|nixl|mock] [--quick]
-[--block-sizes 65536,1048576] [--batches 1,8,64] [--repeats 5] [--row-bytes 4096]
+[--block-sizes 65536,1048576] [--batches 1,8,64] [--repeats 15] [--row-bytes 4096]
 [--item-rows N]``. The last line of stdout is one JSON object: ``{"transport",
 "results": [{"block_bytes", "rows_per_block", "batch", "verified_gbps", "bare_gbps",
 "memcpy_gbps", "verified_us", "bare_us"}], ...}`` (with ``--item-rows``, each
@@ -85,6 +85,9 @@ QUICK_SIZES = (64 << 10, 1 << 20, 4 << 20)
 QUICK_BATCHES = (1, 8, 32)
 PREFIX = "BENCH "
 GENERATION = 1
+# Timed rounds per point. With 5, one disturbed round on a shared host moved the median of an
+# 8-block point by several percent from run to run (BENCHMARKS.md, "One call for both READs").
+DEFAULT_REPEATS = 15
 
 
 def fingerprint(block: int) -> int:
@@ -333,7 +336,8 @@ def main() -> None:
                         help="pull one item of this many rows per block size (its whole blocks) instead of "
                              "--batches")
     parser.add_argument("--batches", help="comma-separated blocks per pull")
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds per point (median reported)")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help=f"timed rounds per point, median reported (default {DEFAULT_REPEATS})")
     parser.add_argument("--producer-progress-us", type=int, default=-1,
                         help="producer progress: -1 auto (the default), 0 NIXL's own (spinning) thread, "
                              "N a poller every N microseconds")
@@ -353,7 +357,9 @@ def main() -> None:
         QUICK_SIZES if args.quick else DEFAULT_SIZES)
     batches = sorted({int(b) for b in args.batches.split(",")} if args.batches else set(
         QUICK_BATCHES if args.quick else DEFAULT_BATCHES))
-    repeats = args.repeats or 5
+    repeats = args.repeats
+    if repeats <= 0:
+        parser.error(f"--repeats must be > 0, got {repeats}")
     row_bytes = args.row_bytes
     if row_bytes <= 0 or row_bytes % 2:
         parser.error(f"--row-bytes must be a positive even number (bf16 rows), got {row_bytes}")

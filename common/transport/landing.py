@@ -178,6 +178,13 @@ class SlotPool:
             self._require(values, _HELD, "use")
         return arr
 
+    def held_ids(self, ids: object) -> tuple[np.ndarray, list[int]]:
+        """:meth:`check_held` that also returns the ids as a list: ``(int32 array, list)``."""
+        arr, values = self._ids(ids)
+        with self._lock:
+            self._require(values, _HELD, "use")
+        return arr.astype(np.int32, copy=False), values
+
     def release(self, ids: object) -> None:
         """Return held slots. Quarantined ones are skipped (they return once proven quiet), so a
         caller may always release in ``finally``; releasing a free slot is an error."""

@@ -209,10 +209,9 @@ class ProducerPeer:
         self._check_open()
         side = self._side
         remote = _indices(remote_ids, self.num_blocks, "remote block id")
-        local = _indices(local_ids, side.landing.num_blocks, "landing block id")
+        local, rows = side.landing.held_ids(local_ids)  # in range, distinct, held
         if remote.size != local.size:
             raise ValueError(f"{remote.size} remote block ids but {local.size} landing block ids")
-        rows = side.landing.check_held(local).tolist()
         tag_handle = self._make(f"tag READ of {remote.size} descriptors from {self.agent_name}", side.tags_dlist,
                                 local, self._tags_dlist, remote, time.monotonic() + timeout_s)
 

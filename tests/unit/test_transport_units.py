@@ -174,6 +174,10 @@ def test_slot_pool_hands_out_each_slot_once() -> None:
         pool.release([3, 3])
     with pytest.raises(ValueError, match="n >= 1"):
         pool.acquire(0)
+    arr, values = pool.held_ids(np.array([3], dtype=np.int64))  # what a pull checks its landing ids with
+    assert arr.dtype == np.int32 and arr.tolist() == values == [3]
+    with pytest.raises(ValueError, match="use slot 0: it is free"):
+        pool.held_ids([3, 0])
 
 
 def test_quarantined_slots_stay_out_until_proven_quiet() -> None:
