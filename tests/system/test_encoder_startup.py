@@ -49,6 +49,7 @@ HEALTH_WITHIN_S = 5.0
 READY_WITHIN_S = 200.0
 STOP_WITHIN_S = 60.0  # a SIGTERM waits for the bucket being compiled
 POLL_S = 0.1
+MAX_HEALTH_STALLS = 2  # readiness checks allowed past their 2 s deadline during the warm-up
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -171,8 +172,18 @@ def _watch_the_warm_up(encoder: Started, target: str, metrics_port: int, channel
         # Poll until ready: readiness first, then the gauge, which only grows; so a SERVING
         # readiness followed by a gauge below the total would be a flip before the last bucket.
         seen_partial = False
+        stalls = 0
         while True:
-            ready = _status(health, READINESS_SERVICE) == SERVING
+            try:
+                ready = _status(health, READINESS_SERVICE) == SERVING
+            except grpc.RpcError as exc:
+                # Seen once in a full CI run: one Check past its 2 s deadline while a bucket
+                # compiled on two busy cores. The probes in deploy/ tolerate such a miss
+                # (failureThreshold); a server that stops answering does not pass here.
+                assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+                stalls += 1
+                assert stalls <= MAX_HEALTH_STALLS, f"{stalls} health checks past their deadline:\n{encoder.log()}"
+                continue
             done, total = _buckets(metrics_port)
             if ready:
                 assert (done, total) == (2, 2), f"readiness SERVING with {done}/{total} buckets"
