@@ -184,6 +184,46 @@ def test_a_tag_read_timing_out_after_the_blocks_quarantines_the_landing_blocks(
     assert landing.num_free == landing.num_blocks and not peer.closed
 
 
+def test_a_block_read_timing_out_in_one_call_releases_the_unposted_tag_read(
+        consumer: ConsumerTransport, producer: ProducerProcess, peer: ProducerPeer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The producer is frozen before the call: the block READ times out, its landing blocks are
+    # quarantined, and the tag READ made for it is released without ever being posted.
+    landing = consumer.landing
+    read = peer._read
+    reads: list[str] = []
+
+    def counted(what: str, *args: Any) -> None:
+        reads.append(what)
+        read(what, *args)
+
+    monkeypatch.setattr(peer, "_read", counted)
+    local = landing.acquire(2)
+    assert local is not None
+    landing.tensor[local] = 0
+    pool = consumer.tag_slots.num_free
+    producer.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            peer.read_blocks_and_tags(np.array([7, 8], dtype=np.int32), local, 0.3)
+        assert time.monotonic() - started < 0.5
+        assert reads == ["block READ"]
+        assert sorted(landing.quarantined_ids().tolist()) == sorted(local.tolist())
+        assert consumer.tag_slots.num_free == pool and consumer.tag_slots.num_quarantined == 0
+        landing.release(local)  # a no-op: they belong to the quarantine now
+    finally:
+        producer.resume()
+    limit = soon(10.0)
+    while landing.num_quarantined:
+        assert time.monotonic() < limit, "the quarantine never lifted after the producer resumed"
+        consumer.sweep_quarantine()
+        time.sleep(0.01)
+    for r, lid in zip((7, 8), local.tolist(), strict=True):  # the late data did land
+        assert torch.equal(landing.tensor[lid], producer.reference(r))
+    assert landing.num_free == landing.num_blocks and not peer.closed
+
+
 def test_lease_release_notification_reaches_the_producer(producer: ProducerProcess, peer: ProducerPeer) -> None:
     leases = [7, (1 << 64) - 1, 123_456_789]
     fingerprints, _ = peer.read_tags(np.array([1], dtype=np.int32), soon(),
