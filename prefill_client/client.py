@@ -292,8 +292,9 @@ class EncoderCacheClient:
         """Pull placed items, verified, in order; one block READ and one tag READ per encoder.
 
         A placement of another incarnation than the encoder's current one (it restarted), or of
-        an encoder this client does not know by that name, is looked up by mm_hash instead. An item no longer found is ``ECLoadFailure(evicted)``;
-        any failure fails the call, and every lease is given back.
+        an encoder this client does not know by that name, is looked up by mm_hash instead. An
+        item no longer found is ``ECLoadFailure(evicted)``; any failure fails the call, and
+        every lease is given back.
         """
         out: list[PulledItem | None] = [None] * len(placements)
         by_target: dict[str, list[int]] = collections.defaultdict(list)

@@ -64,6 +64,16 @@ def _activation(name: str) -> nn.Module:
     return nn.ReLU()
 
 
+_ONEDNN: bool = (bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+                 and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _onednn_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Eager float32 inference on a CPU with oneDNN: the patch embedding may take its matmul."""
+    return (_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.dim() == 2 and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+
+
 class PatchEmbed(nn.Module):
     """Conv3d with stride = kernel = (temporal, patch, patch) over one patch per row."""
 
@@ -83,16 +93,6 @@ class PatchEmbed(nn.Module):
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, self.proj.bias, "none", [], "")
             return out
         return F.linear(x, weight, self.proj.bias)
-
-
-_ONEDNN: bool = (bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
-                 and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-def _onednn_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Eager float32 inference on a CPU with oneDNN: the patch embedding may take its matmul."""
-    return (_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.dim() == 2 and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
 
 
 class VisionMLP(nn.Module):

@@ -148,15 +148,20 @@ def test_blocks_and_tags_in_one_call_read_the_tags_only_after_the_blocks(
     assert consumer.tag_slots.num_free == pool  # the tags land in the landing blocks' own rows
 
 
-def test_a_tag_read_timing_out_after_the_blocks_quarantines_the_landing_blocks(
+@pytest.mark.parametrize("freeze", ["before the call", "between the READs"])
+def test_a_read_timing_out_in_one_call_quarantines_the_landing_blocks(
         consumer: ConsumerTransport, producer: ProducerProcess, peer: ProducerPeer,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # The producer freezes between the two READs: the tag READ times out, and since it may still
-    # write the landing blocks' tag rows, those blocks stay out of use until it is proven quiet.
+        monkeypatch: pytest.MonkeyPatch, freeze: str) -> None:
+    # Frozen before the call, the block READ times out and the tag READ made for it is released
+    # without ever being posted. Frozen between the READs, the tag READ times out; it may still
+    # write the landing blocks' tag rows. Either way the landing blocks stay out of use until
+    # the READ is proven quiet, and the tag slots are not touched.
     landing = consumer.landing
     read = peer._read
+    reads: list[str] = []
 
     def read_then_freeze(what: str, *args: Any) -> None:
+        reads.append(what)
         read(what, *args)
         if what == "block READ":
             producer.pause()
@@ -164,64 +169,35 @@ def test_a_tag_read_timing_out_after_the_blocks_quarantines_the_landing_blocks(
     monkeypatch.setattr(peer, "_read", read_then_freeze)
     local = landing.acquire(2)
     assert local is not None
+    landing.tensor[local] = 0
     pool = consumer.tag_slots.num_free
+    if freeze == "before the call":
+        producer.pause()
     try:
         started = time.monotonic()
         with pytest.raises(TransferTimeout):
             peer.read_blocks_and_tags(np.array([5, 6], dtype=np.int32), local, 0.3)
         assert time.monotonic() - started < 0.5
+        assert reads == (["block READ"] if freeze == "before the call" else ["block READ", "tag READ"])
         assert sorted(landing.quarantined_ids().tolist()) == sorted(local.tolist())
         landing.release(local)  # a no-op: they belong to the quarantine now
         assert consumer.sweep_quarantine() == 0 and landing.num_quarantined == 2
         assert consumer.tag_slots.num_free == pool and consumer.tag_slots.num_quarantined == 0
     finally:
         producer.resume()
-    limit = soon(10.0)
-    while landing.num_quarantined:
-        assert time.monotonic() < limit, "the quarantine never lifted after the producer resumed"
-        consumer.sweep_quarantine()
-        time.sleep(0.01)
-    assert landing.num_free == landing.num_blocks and not peer.closed
-
-
-def test_a_block_read_timing_out_in_one_call_releases_the_unposted_tag_read(
-        consumer: ConsumerTransport, producer: ProducerProcess, peer: ProducerPeer,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # The producer is frozen before the call: the block READ times out, its landing blocks are
-    # quarantined, and the tag READ made for it is released without ever being posted.
-    landing = consumer.landing
-    read = peer._read
-    reads: list[str] = []
-
-    def counted(what: str, *args: Any) -> None:
-        reads.append(what)
-        read(what, *args)
-
-    monkeypatch.setattr(peer, "_read", counted)
-    local = landing.acquire(2)
-    assert local is not None
-    landing.tensor[local] = 0
-    pool = consumer.tag_slots.num_free
-    producer.pause()
-    try:
-        started = time.monotonic()
-        with pytest.raises(TransferTimeout):
-            peer.read_blocks_and_tags(np.array([7, 8], dtype=np.int32), local, 0.3)
-        assert time.monotonic() - started < 0.5
-        assert reads == ["block READ"]
-        assert sorted(landing.quarantined_ids().tolist()) == sorted(local.tolist())
-        assert consumer.tag_slots.num_free == pool and consumer.tag_slots.num_quarantined == 0
-        landing.release(local)  # a no-op: they belong to the quarantine now
-    finally:
-        producer.resume()
-    limit = soon(10.0)
-    while landing.num_quarantined:
-        assert time.monotonic() < limit, "the quarantine never lifted after the producer resumed"
-        consumer.sweep_quarantine()
-        time.sleep(0.01)
-    for r, lid in zip((7, 8), local.tolist(), strict=True):  # the late data did land
+    _await_quarantine_lifted(consumer)
+    for r, lid in zip((5, 6), local.tolist(), strict=True):  # the data landed, late or not
         assert torch.equal(landing.tensor[lid], producer.reference(r))
     assert landing.num_free == landing.num_blocks and not peer.closed
+
+
+def _await_quarantine_lifted(consumer: ConsumerTransport) -> None:
+    """Sweep until no landing block or tag slot is quarantined (the producer has resumed)."""
+    limit = soon(10.0)
+    while consumer.landing.num_quarantined or consumer.tag_slots.num_quarantined:
+        assert time.monotonic() < limit, "the quarantine never lifted after the producer resumed"
+        consumer.sweep_quarantine()
+        time.sleep(0.01)
 
 
 def test_lease_release_notification_reaches_the_producer(producer: ProducerProcess, peer: ProducerPeer) -> None:
@@ -264,11 +240,7 @@ def test_stalled_peer_times_out_on_time_and_quarantines_until_quiet(
             landing.release(others)
     finally:
         producer.resume()
-    limit = soon(10.0)
-    while landing.num_quarantined or consumer.tag_slots.num_quarantined:
-        assert time.monotonic() < limit, "the quarantine never lifted after the producer resumed"
-        consumer.sweep_quarantine()
-        time.sleep(0.01)
+    _await_quarantine_lifted(consumer)
     assert landing.num_free == landing.num_blocks
     # The late data did land in the quarantined blocks: reusing them early would have been wrong.
     for r, lid in zip(remote.tolist(), stuck.tolist(), strict=True):
