@@ -179,11 +179,25 @@ class SlotPool:
         return arr
 
     def held_ids(self, ids: object) -> tuple[np.ndarray, list[int]]:
-        """:meth:`check_held` that also returns the ids as a list: ``(int32 array, list)``."""
-        arr, values = self._ids(ids)
-        with self._lock:
-            self._require(values, _HELD, "use")
-        return arr.astype(np.int32, copy=False), values
+        """:meth:`check_held` that also returns the ids as a list: ``(int32 array, list)``.
+
+        Every pull checks its landing ids with this, often while the CPU caches
+        are cold from the previous pull's copy, when each Python call costs
+        several times its warm price; so the common case is one pass over the
+        list, and only a bad input takes :meth:`check_held`'s way to its error.
+        """
+        arr = np.asarray(ids)
+        if arr.ndim == 1 and arr.dtype.kind in "iu":
+            values = arr.tolist()
+            state, size = self._state, self.size
+            if values and len(set(values)) == len(values):
+                with self._lock:
+                    for slot in values:
+                        if not (0 <= slot < size and state[slot] == _HELD):
+                            break
+                    else:
+                        return arr.astype(np.int32, copy=False), values
+        return self.check_held(ids).astype(np.int32, copy=False), arr.tolist()
 
     def release(self, ids: object) -> None:
         """Return held slots. Quarantined ones are skipped (they return once proven quiet), so a

@@ -193,17 +193,21 @@ class ProducerPeer:
 
         The pull as the client makes it: the same two READs in the same order
         (the tag READ is posted only once the block READ has completed), each
-        with ``timeout_s``, and the same outcomes. It costs less than the two
-        calls because a block READ of a MiB or more evicts the interpreter's and
-        the agent's working set from the CPU caches, and whatever runs between
-        the two READs then runs several times slower (measured after 8 MiB:
-        ``read_tags`` 115-145 us, its NIXL calls 32-45 us). So everything the tag
-        READ needs is done before the block READ: the ids are checked once, its
-        NIXL handle is made (it reads nothing until posted; on any failure of the
-        block READ it is released unposted), and it lands in the landing blocks'
-        own tag rows, which the caller holds with the blocks: no slots to take or
-        give back, and a timed-out tag READ quarantines the landing blocks, whose
-        rows it may still write. The values are read as plain ints.
+        with ``timeout_s``, and the same outcomes. The tags land in the landing
+        blocks' own tag rows, which the caller holds with the blocks: no slots
+        to take or give back, and a timed-out tag READ quarantines the landing
+        blocks, whose rows it may still write.
+
+        It costs less than the two calls because a block READ of a MiB or more
+        evicts the interpreter's and the agent's working set from the CPU
+        caches, and whatever runs between the two READs then runs several
+        times slower (measured after 8 MiB: ``read_tags`` 115-145 us, its NIXL
+        calls 32-45 us). So the ids are checked once, and both handles are made
+        and the block READ posted under one hold of the agent lock. When the
+        block READ completes at post (a same-host copy does), the tag READ is
+        posted at once, under the same hold; otherwise this waits for the block
+        READ as :meth:`read_blocks` does and then posts the tag READ. A handle
+        made and never posted reads nothing; it is released unposted.
         """
         _require_off_event_loop("read_blocks_and_tags")
         self._check_open()
@@ -212,20 +216,32 @@ class ProducerPeer:
         local, rows = side.landing.held_ids(local_ids)  # in range, distinct, held
         if remote.size != local.size:
             raise ValueError(f"{remote.size} remote block ids but {local.size} landing block ids")
-        tag_handle = self._make(f"tag READ of {remote.size} descriptors from {self.agent_name}", side.tags_dlist,
-                                local, self._tags_dlist, remote, time.monotonic() + timeout_s)
 
         def quarantine(probe: QuietProbe) -> None:
             side.landing.quarantine(local, probe)
 
+        n = remote.size
         try:
-            self._read("block READ", side.blocks_dlist, local, self._blocks_dlist, remote, b"",
-                       time.monotonic() + timeout_s, quarantine)
-        except BaseException:
-            self._discard(tag_handle)
+            block, tag, what, state = self._post_pair(local, remote, timeout_s, quarantine)
+            if block is not None:  # the block READ is in flight; the tag READ is made, not posted
+                try:
+                    state = self._wait(self._action(what, n), block, time.monotonic() + timeout_s, quarantine)
+                except BaseException:
+                    self._discard(tag)
+                    raise
+                if state is TransferState.DONE:
+                    self._read("tag READ", side.tags_dlist, local, self._tags_dlist, remote, b"",
+                               time.monotonic() + timeout_s, quarantine, tag)
+                else:
+                    self._discard(tag)
+            elif tag is not None:  # the block READ completed at post; the tag READ is in flight
+                state = self._wait(self._action(what, n), tag, time.monotonic() + timeout_s, quarantine)
+        except PeerDisconnected as exc:
+            self._teardown(f"disconnected: {exc}")
             raise
-        self._read("tag READ", side.tags_dlist, local, self._tags_dlist, remote, b"",
-                   time.monotonic() + timeout_s, quarantine, tag_handle)
+        if state is TransferState.ERROR:
+            self._teardown(f"{what} failed")
+            raise TransportError(f"{self._action(what, n)}: transfer failed (state ERR); the peer is closed")
         words = side.tag_words
         return [words[2 * row] for row in rows], [words[2 * row + 1] for row in rows]
 
@@ -251,8 +267,8 @@ class ProducerPeer:
         quarantine: Callable[[QuietProbe], None],
         prepared: Any = None,
     ) -> None:
-        """Post a READ (``prepared``: a handle :meth:`_make` made for exactly it) and wait for it."""
-        action = f"{what} of {local_idx.size} descriptors from {self.agent_name}"
+        """Post a READ (``prepared``: a handle made for exactly it, not yet posted) and wait for it."""
+        action = self._action(what, local_idx.size)
         try:
             handle, state = self._post(action, local_dlist, local_idx, remote_dlist, remote_idx, notif,
                                        deadline, quarantine, prepared)
@@ -304,18 +320,61 @@ class ProducerPeer:
         finally:
             side.lock.release()
 
-    def _make(self, action: str, local_dlist: Any, local_idx: np.ndarray, remote_dlist: Any,
-              remote_idx: np.ndarray, deadline: float) -> Any:
-        """A READ handle for :meth:`_read` to post later (``prepared``); it reads nothing until then."""
+    def _post_pair(
+        self, local: np.ndarray, remote: np.ndarray, timeout_s: float, quarantine: Callable[[QuietProbe], None]
+    ) -> tuple[Any, Any, str, TransferState]:
+        """Make the block and tag READs and post the block READ, then (if it completed at post) the tags.
+
+        All under one hold of the agent lock, which spares what runs between
+        the two READs from running cold (see :meth:`read_blocks_and_tags`).
+        Returns ``(block, tag, what, state)``: ``what`` is the last READ posted
+        and ``state`` its state at post. ``block`` is the block READ's handle
+        while it is in flight (``tag`` then is the tag READ's, made and not
+        posted); otherwise ``block`` is ``None`` and ``tag`` is the tag READ's
+        handle while it is in flight. Every handle not returned is released. In
+        flight counts as outstanding until released. Raises with nothing in
+        flight: ``TransferTimeout`` if the lock is busy past ``timeout_s`` (the
+        landing blocks are quarantined until the next sweep, as a busy
+        :meth:`_post` does), the translated binding error if a make or post is
+        refused.
+        """
         side = self._side
-        if not side.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TransferTimeout(f"{action}: agent busy past the deadline")
+        agent = side.agent
+        what = "block READ"
+        if not side.lock.acquire(timeout=max(0.0, timeout_s)):
+            quarantine(lambda: True)  # nothing was made: quiet at the next sweep, as in _post
+            raise TransferTimeout(f"{self._action(what, remote.size)}: agent busy past the deadline")
+        block = tag = None
+        in_flight = False
         try:
             self._check_open()
-            with binding_errors(action):
-                return side.agent.make_prepped_xfer("READ", local_dlist, local_idx, remote_dlist, remote_idx, b"")
+            try:
+                tag = agent.make_prepped_xfer("READ", side.tags_dlist, local, self._tags_dlist, remote, b"")
+                block = agent.make_prepped_xfer("READ", side.blocks_dlist, local, self._blocks_dlist, remote, b"")
+                state = TransferState.parse(agent.transfer(block))
+                if state is TransferState.DONE:  # complete: its handle can no longer write
+                    self._release_locked(block)
+                    block, what = None, "tag READ"
+                    state = TransferState.parse(agent.transfer(tag))
+            except Exception as exc:
+                if is_binding_error(exc):  # refused at make or post: nothing is in flight
+                    raise translate_error(exc, self._action(what, remote.size)) from exc
+                raise
+            if state is not TransferState.PROCESSING:
+                return None, None, what, state
+            in_flight = True
+            with self._state_lock:
+                self._outstanding += 1
+            return block, tag, what, state
         finally:
+            if not in_flight:
+                for handle in (block, tag):
+                    if handle is not None:
+                        self._release_locked(handle)
             side.lock.release()
+
+    def _action(self, what: str, n: int) -> str:
+        return f"{what} of {n} descriptors from {self.agent_name}"
 
     def _discard(self, handle: Any) -> None:
         """Release a handle that was made and never posted (it cannot write)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -112,39 +112,87 @@ def test_tags_and_generations_are_a_second_read_after_the_blocks(
         assert torch.equal(landing.tensor[lid], producer.reference(r))
 
 
+@pytest.fixture(scope="module")
+def default_lanes_peer(kind: str, consumer: ConsumerTransport) -> Iterator[tuple[ProducerProcess, ProducerPeer]]:
+    """A producer on UCX's default lanes: a same-host block READ completes inside its post."""
+    helper = ProducerProcess(kind, seed=5)
+    try:
+        reader = consumer.connect(helper.handshake, endpoint="encoder-default-lanes")
+        ids = consumer.landing.acquire(1)
+        assert ids is not None
+        try:  # the first READ sets up the lane (it is polled); the next ones complete at post
+            reader.read_blocks(np.array([0], dtype=np.int32), ids, soon())
+        finally:
+            consumer.landing.release(ids)
+        yield helper, reader
+    finally:
+        helper.kill()
+
+
+class Posts:
+    """Counts the consumer agent's posts and polls, and runs ``before(n)`` before its post ``n`` (0-based)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, agent: Any, before: Callable[[int], None]) -> None:
+        self.posts = 0
+        self.polls: list[int] = []  # how many posts had been made at each poll
+        transfer, check = agent.transfer, agent.check_xfer_state
+
+        def hooked_transfer(handle: Any, *args: Any) -> Any:
+            before(self.posts)
+            self.posts += 1
+            return transfer(handle, *args)
+
+        def hooked_check(handle: Any) -> Any:
+            self.polls.append(self.posts)
+            return check(handle)
+
+        monkeypatch.setattr(agent, "transfer", hooked_transfer)
+        monkeypatch.setattr(agent, "check_xfer_state", hooked_check)
+
+
+@pytest.mark.parametrize("block_read", ["in flight", "done at post"])
 def test_blocks_and_tags_in_one_call_read_the_tags_only_after_the_blocks(
-        consumer: ConsumerTransport, producer: ProducerProcess, peer: ProducerPeer,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # The tag READ's handle is made before the block READ is posted, yet the tags are read after
-    # the blocks: a stamp changed between the two READs is what the call returns.
-    seed = producer.seed
+        kind: str, consumer: ConsumerTransport, producer: ProducerProcess, peer: ProducerPeer,
+        monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, block_read: str) -> None:
+    # The block READ either completes inside its post (then the tag READ is posted under the same
+    # hold of the agent lock) or is polled to completion first. Either way the blocks' data is in
+    # place when the tag READ is posted, and a block reused in between shows in the tags.
+    source, reader = producer, peer  # the TCP lanes: a READ is in flight after its post
+    if block_read == "done at post":
+        if kind == "nixl":
+            source, reader = request.getfixturevalue("default_lanes_peer")
+    else:
+        if kind == "mock":
+            monkeypatch.setattr(consumer.agent.faults, "pending_polls", 2)  # type: ignore[attr-defined]
+    seed = source.seed
     remote = np.array([4, 9, 2], dtype=np.int32)
     landing = consumer.landing
     pool = consumer.tag_slots.num_free
-    read = peer._read
-    reads: list[str] = []
-
-    def read_then_reuse(what: str, *args: Any) -> None:
-        read(what, *args)
-        reads.append(what)
-        if what == "block READ":
-            producer.stamp(9, 777, 42)
-
-    monkeypatch.setattr(peer, "_read", read_then_reuse)
     local = landing.acquire(3)
     assert local is not None
+    landing.tensor[local] = 0
+
+    def before_post(n: int) -> None:
+        if n == 1:  # the tag READ: the blocks must have landed already
+            for r, lid in zip(remote.tolist(), local.tolist(), strict=True):
+                assert torch.equal(landing.tensor[lid], source.reference(r)), "tag READ posted before the data"
+            source.stamp(9, 777, 42)  # block 9 is reused between the two READs
+
+    posts = Posts(monkeypatch, consumer.agent, before_post)
     try:
-        fingerprints, generations = peer.read_blocks_and_tags(remote, local, 5.0)
+        fingerprints, generations = reader.read_blocks_and_tags(remote, local, 5.0)
         with pytest.raises(ValueError, match="remote block id 99"):
-            peer.read_blocks_and_tags(np.array([99], dtype=np.int32), local[:1], 5.0)
+            reader.read_blocks_and_tags(np.array([99], dtype=np.int32), local[:1], 5.0)
     finally:
         landing.release(local)
-        producer.stamp(9, tag_of(seed, 9), seed)
-    assert reads == ["block READ", "tag READ"]
+        source.stamp(9, tag_of(seed, 9), seed)
+    assert posts.posts == 2
+    if kind == "mock":  # deterministic: the block READ was polled before the tag READ's post, or nothing was
+        assert (1 in posts.polls) if block_read == "in flight" else not posts.polls
     assert fingerprints == [tag_of(seed, 4), 777, tag_of(seed, 2)]
     assert generations == [seed, 42, seed]
     for r, lid in zip(remote.tolist(), local.tolist(), strict=True):
-        assert torch.equal(landing.tensor[lid], producer.reference(r))
+        assert torch.equal(landing.tensor[lid], source.reference(r))
     assert consumer.tag_slots.num_free == pool  # the tags land in the landing blocks' own rows
 
 
@@ -157,16 +205,12 @@ def test_a_read_timing_out_in_one_call_quarantines_the_landing_blocks(
     # write the landing blocks' tag rows. Either way the landing blocks stay out of use until
     # the READ is proven quiet, and the tag slots are not touched.
     landing = consumer.landing
-    read = peer._read
-    reads: list[str] = []
 
-    def read_then_freeze(what: str, *args: Any) -> None:
-        reads.append(what)
-        read(what, *args)
-        if what == "block READ":
+    def before_post(n: int) -> None:
+        if n == 1 and freeze == "between the READs":
             producer.pause()
 
-    monkeypatch.setattr(peer, "_read", read_then_freeze)
+    posts = Posts(monkeypatch, consumer.agent, before_post)
     local = landing.acquire(2)
     assert local is not None
     landing.tensor[local] = 0
@@ -178,7 +222,7 @@ def test_a_read_timing_out_in_one_call_quarantines_the_landing_blocks(
         with pytest.raises(TransferTimeout):
             peer.read_blocks_and_tags(np.array([5, 6], dtype=np.int32), local, 0.3)
         assert time.monotonic() - started < 0.5
-        assert reads == (["block READ"] if freeze == "before the call" else ["block READ", "tag READ"])
+        assert posts.posts == (1 if freeze == "before the call" else 2)
         assert sorted(landing.quarantined_ids().tolist()) == sorted(local.tolist())
         landing.release(local)  # a no-op: they belong to the quarantine now
         assert consumer.sweep_quarantine() == 0 and landing.num_quarantined == 2

@@ -178,6 +178,10 @@ def test_slot_pool_hands_out_each_slot_once() -> None:
     assert arr.dtype == np.int32 and arr.tolist() == values == [3]
     with pytest.raises(ValueError, match="use slot 0: it is free"):
         pool.held_ids([3, 0])
+    for bad, message in (([3, 3], "repeat"), ([3, 4], "slot id 4 is outside 0..3"), ([-1], "outside"),
+                         ([], "non-empty"), (np.array([3.0]), "integer"), (np.array([[3]]), "1-D")):
+        with pytest.raises(ValueError, match=message):
+            pool.held_ids(bad)
 
 
 def test_quarantined_slots_stay_out_until_proven_quiet() -> None:
