@@ -37,10 +37,10 @@ holds ``max batch + 2`` blocks of the largest size, the consumer ``max batch
 buffers at 16 MiB x 64.
 
 Usage: ``python bench/pull_throughput.py [--transport auto|nixl|mock] [--quick]
-[--block-sizes 65536,1048576] [--batches 1,8,64] [--repeats 15] [--row-bytes 4096]
-[--item-rows N]``. The last line of stdout is one JSON object: ``{"transport",
+[--block-sizes 65536,1048576] [--batches 1,8,64] [--repeats 15] [--min-seconds 1]
+[--row-bytes 4096] [--item-rows N]``. The last line of stdout is one JSON object: ``{"transport",
 "results": [{"block_bytes", "rows_per_block", "batch", "verified_gbps", "bare_gbps",
-"memcpy_gbps", "verified_us", "bare_us"}], ...}`` (with ``--item-rows``, each
+"memcpy_gbps", "rounds", "verified_us", "bare_us"}], ...}`` (with ``--item-rows``, each
 result also has ``item_rows`` and ``item_gbps``).
 """
 
@@ -88,6 +88,10 @@ GENERATION = 1
 # Timed rounds per point. With 5, one disturbed round on a shared host moved the median of an
 # 8-block point by several percent from run to run (BENCHMARKS.md, "One call for both READs").
 DEFAULT_REPEATS = 15
+# ...and more until a point's timed rounds have taken this long (BENCHMARKS.md, "Both READs under one
+# lock hold"): 1 MiB x 1 had 15 rounds in 10 ms, and one noisy run moved its median from 0.8 to 0.68 of bare.
+DEFAULT_MIN_SECONDS = 1.0
+MAX_ROUNDS = 5000
 
 
 def fingerprint(block: int) -> int:
@@ -303,6 +307,7 @@ class Point:
             row[f"{key}_gbps"] = round(nbytes / statistics.median(values) / 1e9, 3)
         for key, values in samples.items():
             row[f"{key}_best_gbps"] = round(nbytes / min(values) / 1e9, 3)
+        row["rounds"] = len(samples["verified"])
         row["verified_us"] = round(statistics.median(samples["verified"]) * 1e6, 1)
         row["bare_us"] = round(statistics.median(samples["bare"]) * 1e6, 1)
         item = ""
@@ -316,12 +321,22 @@ class Point:
         return row
 
 
-def measure(points: list[Point], repeats: int, rng: np.random.Generator, release: bool,
+def measure(points: list[Point], repeats: int, min_seconds: float, rng: np.random.Generator, release: bool,
             item_rows: int | None) -> list[dict[str, float | int]]:
-    """Round-robin over ``points``: each round pulls every point once, so load from other work hits all alike."""
-    for i in range(repeats + 2):
+    """Round-robin over ``points``: each round pulls every point once, so load from other work hits all alike.
+
+    At least ``repeats`` timed rounds, and more until the timed rounds have taken ``min_seconds``
+    (at most MAX_ROUNDS): a point of small pulls gets hundreds of rounds for the price of a few
+    large ones, and its median moves less with one disturbed round.
+    """
+    started: float | None = None
+    i = 0
+    while i < repeats + 2 or (i < MAX_ROUNDS and started is not None and time.monotonic() - started < min_seconds):
+        if i == 2:
+            started = time.monotonic()
         for point in points:
             point.round(i, rng, release)
+        i += 1
     return [point.finish(rng, item_rows) for point in points]
 
 
@@ -338,6 +353,9 @@ def main() -> None:
     parser.add_argument("--batches", help="comma-separated blocks per pull")
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                         help=f"timed rounds per point, median reported (default {DEFAULT_REPEATS})")
+    parser.add_argument("--min-seconds", type=float, default=DEFAULT_MIN_SECONDS,
+                        help="time more rounds past --repeats until a point's timed rounds have taken this long "
+                             f"(at most {MAX_ROUNDS} rounds; default {DEFAULT_MIN_SECONDS})")
     parser.add_argument("--producer-progress-us", type=int, default=-1,
                         help="producer progress: -1 auto (the default), 0 NIXL's own (spinning) thread, "
                              "N a poller every N microseconds")
@@ -360,6 +378,8 @@ def main() -> None:
     repeats = args.repeats
     if repeats <= 0:
         parser.error(f"--repeats must be > 0, got {repeats}")
+    if args.min_seconds < 0:
+        parser.error(f"--min-seconds must be >= 0, got {args.min_seconds}")
     row_bytes = args.row_bytes
     if row_bytes <= 0 or row_bytes % 2:
         parser.error(f"--row-bytes must be a positive even number (bf16 rows), got {row_bytes}")
@@ -379,14 +399,15 @@ def main() -> None:
             rigs = [Rig(kind, producer, size, row_bytes, batch)
                     for producer, size, batch in zip(producers, sizes, item_batches, strict=True)]
             points = [Point(rig, batch) for rig, batch in zip(rigs, item_batches, strict=True)]
-            results = measure(points, repeats, rng, args.release_on_tag_read, args.item_rows)
+            results = measure(points, repeats, args.min_seconds, rng, args.release_on_tag_read, args.item_rows)
             for rig in rigs:
                 rig.close()
         else:
             for size in sizes:
                 rig = Rig(kind, producers[0], size, row_bytes, max(batches))
                 for batch in batches:
-                    results += measure([Point(rig, batch)], repeats, rng, args.release_on_tag_read, None)
+                    results += measure([Point(rig, batch)], repeats, args.min_seconds, rng, args.release_on_tag_read,
+                                       None)
                 rig.close()
     except EpdError as exc:
         print(f"transport error: {exc}", file=sys.stderr)
@@ -407,6 +428,7 @@ def main() -> None:
         "row_bytes": row_bytes,
         "results": results,
         "repeats": repeats,
+        "min_seconds": args.min_seconds,
         "seconds": round(time.monotonic() - started, 1),
         "target": {"rule": "verified_gbps >= 0.9 * bare_gbps for batch >= 8 and block_bytes >= 1 MiB",
                    "worst_ratio": round(min(batched), 3) if batched else None,
