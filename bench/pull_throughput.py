@@ -89,7 +89,8 @@ GENERATION = 1
 # 8-block point by several percent from run to run (BENCHMARKS.md, "One call for both READs").
 DEFAULT_REPEATS = 15
 # ...and more until a point's timed rounds have taken this long (BENCHMARKS.md, "Both READs under one
-# lock hold"): 1 MiB x 1 had 15 rounds in 10 ms, and one noisy run moved its median from 0.8 to 0.68 of bare.
+# lock hold"): 1 MiB x 1 runs 2,000-3,000 rounds a second, so 15 took under 10 ms, and one noisy run
+# moved its median from about 0.8 to 0.68 of bare.
 DEFAULT_MIN_SECONDS = 1.0
 MAX_ROUNDS = 5000
 
@@ -325,18 +326,22 @@ def measure(points: list[Point], repeats: int, min_seconds: float, rng: np.rando
             item_rows: int | None) -> list[dict[str, float | int]]:
     """Round-robin over ``points``: each round pulls every point once, so load from other work hits all alike.
 
-    At least ``repeats`` timed rounds, and more until the timed rounds have taken ``min_seconds``
-    (at most MAX_ROUNDS): a point of small pulls gets hundreds of rounds for the price of a few
-    large ones, and its median moves less with one disturbed round.
+    Two warm-up rounds, then at least ``repeats`` timed rounds, and more until the timed rounds
+    have taken ``min_seconds`` (at most MAX_ROUNDS timed rounds): a point of small pulls gets
+    thousands of rounds for the price of a few large ones, and its median moves less with one
+    disturbed round.
     """
-    started: float | None = None
-    i = 0
-    while i < repeats + 2 or (i < MAX_ROUNDS and started is not None and time.monotonic() - started < min_seconds):
-        if i == 2:
-            started = time.monotonic()
+    def round_of_all(i: int) -> None:
         for point in points:
             point.round(i, rng, release)
-        i += 1
+
+    round_of_all(0)
+    round_of_all(1)
+    started = time.monotonic()
+    timed = 0
+    while timed < repeats or (timed < MAX_ROUNDS and time.monotonic() - started < min_seconds):
+        round_of_all(timed + 2)
+        timed += 1
     return [point.finish(rng, item_rows) for point in points]
 
 

@@ -158,12 +158,10 @@ def test_blocks_and_tags_in_one_call_read_the_tags_only_after_the_blocks(
     # hold of the agent lock) or is polled to completion first. Either way the blocks' data is in
     # place when the tag READ is posted, and a block reused in between shows in the tags.
     source, reader = producer, peer  # the TCP lanes: a READ is in flight after its post
-    if block_read == "done at post":
-        if kind == "nixl":
-            source, reader = request.getfixturevalue("default_lanes_peer")
-    else:
-        if kind == "mock":
-            monkeypatch.setattr(consumer.agent.faults, "pending_polls", 2)  # type: ignore[attr-defined]
+    if block_read == "done at post" and kind == "nixl":
+        source, reader = request.getfixturevalue("default_lanes_peer")
+    elif block_read == "in flight" and kind == "mock":  # the mock completes at post unless told otherwise
+        monkeypatch.setattr(consumer.agent.faults, "pending_polls", 2)  # type: ignore[attr-defined]
     seed = source.seed
     remote = np.array([4, 9, 2], dtype=np.int32)
     landing = consumer.landing
