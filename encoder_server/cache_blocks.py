@@ -133,11 +133,17 @@ class EncoderCacheBlocks:
         return self._lease_ttl_ms
 
     # ------------------------------------------------------------ allocation
-    def allocate(self, mm_hash: str, tokens_per_block: Sequence[int]) -> list[BlockId] | None:
+    def allocate(
+        self, mm_hash: str, tokens_per_block: Sequence[int], *, exclusive: bool = False
+    ) -> list[BlockId] | None:
         """Stamped blocks for ``mm_hash`` (the same ones if present); ``None`` if no room now.
 
         Never waits and never evicts: on ``None`` the caller evicts
         (:meth:`evict_lru`) or answers with :meth:`next_reusable_in_ms`.
+        ``exclusive``: the caller will write the blocks, so a present
+        ``mm_hash`` is an error (``ValueError``), never its live blocks: an
+        encoder run must not write over an item others may be reading, or
+        into blocks an eviction may hand to another item mid-run.
         """
         counts = check_tokens_per_block(tokens_per_block, self._usable, self._block_size)
         # Memoized: an evicted item that comes back is re-allocated under the same
@@ -149,6 +155,9 @@ class EncoderCacheBlocks:
                 self._catch_up(now)
             entry = self._slots.get(mm_hash)
             if entry is not None:
+                if exclusive:
+                    state = "written" if entry.write_time is not None else "being written"
+                    raise ValueError(f"mm_hash {mm_hash!r} is already in the encoder cache ({state})")
                 if entry.tokens_per_block != counts:
                     raise ValueError(
                         f"mm_hash {mm_hash!r} is present with tokens_per_block "

@@ -313,7 +313,7 @@ class EncoderEngine:
             self._refuse_oversized(processed, errors)
             if processed:
                 async with self._admit_lock:
-                    jobs = self._admit(processed, consumer_id, waiters)
+                    jobs = self._admit(processed, consumer_id, waiters, leases, grids)
                 self.metrics.device_misses.inc(len(jobs))
                 self._enqueue(jobs)
             for h, waiter in waiters.items():
@@ -440,15 +440,26 @@ class EncoderEngine:
         return self.preprocessor.video(frames, fps=source.fps, item=label)
 
     def _admit(
-        self, processed: dict[str, ProcessedItem], consumer_id: str, waiters: dict[str, _Waiter]
+        self, processed: dict[str, ProcessedItem], consumer_id: str, waiters: dict[str, _Waiter],
+        leases: dict[str, Lease], grids: dict[str, tuple[int, ...]],
     ) -> list[_Job]:
-        """Allocate blocks for every miss, all or nothing; runs under the admission lock."""
+        """Allocate blocks for every miss, all or nothing; runs under the admission lock.
+
+        A miss may have changed while its pixels were decoded: another request
+        admitted it (join that run) or even finished it (a hit now: lease it,
+        pending, into ``leases``). Only an item absent from the cache gets blocks.
+        """
         layout = self.cache.layout
         todo: dict[str, ProcessedItem] = {}
         for h, item in processed.items():
             flight = self._inflight.get(h)
             if flight is not None:  # another request admitted it while we decoded
                 waiters[h] = flight.join(consumer_id)
+                continue
+            lease = self.cache.acquire(h, owner=consumer_id, pending=True)
+            if lease is not None:  # ... and its run already finished
+                leases[h] = lease
+                grids[h] = self._grids.get(h, ())
             else:
                 todo[h] = item
         if not todo:
@@ -465,22 +476,35 @@ class EncoderEngine:
             self.metrics.device_evictions.inc(evicted_blocks)
         loop = asyncio.get_running_loop()
         jobs: list[_Job] = []
-        for h, item in todo.items():
-            block_ids = self.cache.allocate(h, plans[h])
-            if block_ids is None:
-                for job in jobs:  # never written, never handed out: straight back to free
-                    self.cache.free(job.mm_hash)
-                    del self._inflight[job.mm_hash]
-                    waiters.pop(job.mm_hash, None)
-                raise CacheFullError(
-                    f"freed blocks are still inside the {self.cache.min_hold_time_ms} ms hold",
-                    retry_after_ms=self._retry_hint_ms())
-            flight = _Flight(loop.create_future(), tuple(item.grid_thw))
-            waiters[h] = flight.join(consumer_id, owner=True)
-            self._inflight[h] = flight
-            self._grids[h] = tuple(item.grid_thw)
-            jobs.append(_Job(h, item, block_ids, plans[h], flight))
+        try:
+            for h, item in todo.items():
+                block_ids = self.cache.allocate(h, plans[h], exclusive=True)
+                if block_ids is None:
+                    raise CacheFullError(
+                        f"freed blocks are still inside the {self.cache.min_hold_time_ms} ms hold",
+                        retry_after_ms=self._retry_hint_ms())
+                flight = _Flight(loop.create_future(), tuple(item.grid_thw))
+                waiters[h] = flight.join(consumer_id, owner=True)
+                self._inflight[h] = flight
+                self._grids[h] = tuple(item.grid_thw)
+                jobs.append(_Job(h, item, block_ids, plans[h], flight))
+        except BaseException:
+            for job in jobs:  # never written, never handed out: straight back to free
+                self.cache.free(job.mm_hash)
+                del self._inflight[job.mm_hash]
+                waiters.pop(job.mm_hash, None)
+            raise
         return jobs
+
+    def _fail_runs(self, batch: list[_Job], message: str) -> None:
+        """Fail every run of ``batch`` not finished yet; its unwritten blocks go back to free."""
+        for job in batch:
+            if self._inflight.get(job.mm_hash) is job.flight:
+                del self._inflight[job.mm_hash]
+                if not self.cache.is_written(job.mm_hash):
+                    self.cache.free(job.mm_hash)
+            if not job.flight.future.done():
+                job.flight.future.set_exception(EpdError(message))
 
     def _retry_hint_ms(self) -> int:
         hint = self.cache.next_reusable_in_ms()
@@ -512,6 +536,9 @@ class EncoderEngine:
                 batch.append(pending.popleft())
             try:
                 await self._run_batch(loop, batch)
+            except Exception as exc:  # a bug past the run: fail loudly, but the encoder serves on
+                logger.exception("encoder batch of %d items failed after its run", len(batch))
+                self._fail_runs(batch, f"encoder batch failed: {exc}")
             finally:
                 self._queued_tokens -= tokens
                 self.metrics.queue_tokens.set(self._queued_tokens)
@@ -531,11 +558,7 @@ class EncoderEngine:
             )
         except Exception as exc:  # the graph failed: nothing of this batch is servable
             logger.exception("encoder run failed for %d items", len(batch))
-            for job in batch:
-                cache.free(job.mm_hash)
-                self._inflight.pop(job.mm_hash, None)
-                if not job.flight.future.done():
-                    job.flight.future.set_exception(EpdError(f"encoder run failed: {exc}"))
+            self._fail_runs(batch, f"encoder run failed: {exc}")
             return
         self.metrics.encode_latency.observe(time.perf_counter() - started)
         self.stats.encoder_runs += 1

@@ -129,6 +129,18 @@ def test_allocate_is_idempotent_for_a_present_item() -> None:
         cache.allocate("a", [3])
 
 
+def test_exclusive_allocate_refuses_a_present_item_and_leaves_it_as_it_was() -> None:
+    cache, _ = make()
+    ids = cache.allocate("a", [3, 2])
+    with pytest.raises(ValueError, match=r"'a' is already in the encoder cache \(being written\)"):
+        cache.allocate("a", [3, 2], exclusive=True)
+    cache.mark_written("a")
+    with pytest.raises(ValueError, match=r"'a' is already in the encoder cache \(written\)"):
+        cache.allocate("a", [3, 2], exclusive=True)
+    assert cache.get_block_ids("a") == ids and occ(cache) == (2, 6, 0)
+    assert cache.allocate("b", [1], exclusive=True) is not None
+
+
 def test_reallocating_the_same_hash_gets_a_new_generation() -> None:
     cache, _ = make(num_blocks=2, hold_ms=0)  # one usable block: same block again
     ids1 = cache.allocate("a", [1])

@@ -192,3 +192,68 @@ def test_a_cancelled_request_leaves_no_lease() -> None:
         assert engine.cache.lease_stats.active == 0 and engine.cache.num_pinned_items == 0
 
     run_scenario(body)
+
+
+def test_a_miss_finished_by_another_request_while_it_decoded_is_a_hit_not_a_rewrite() -> None:
+    # A misses Y and decodes it; meanwhile B misses Y too, runs it and is answered. A must
+    # then lease B's allocation. Writing Y again into those live blocks would race readers,
+    # and an eviction mid-run would hand the blocks to another item under the writer.
+    async def body(engine: EncoderEngine, clock: FakeClock, runner: GatedRunner, first: Located) -> None:
+        decode, entered, gate = engine._decode, threading.Event(), threading.Event()
+        calls = 0
+
+        def gated_decode(source: MediaInput, index: int) -> ProcessedItem:
+            nonlocal calls
+            calls += 1
+            if calls == 1:  # A's decode waits; B's passes
+                entered.set()
+                assert gate.wait(30), "the test never let A's decode finish"
+            return decode(source, index)
+
+        engine._decode = gated_decode  # type: ignore[method-assign]
+        a = asyncio.create_task(engine.encode([Y], "a"))
+        assert await asyncio.to_thread(entered.wait, 30)
+        b = asyncio.create_task(engine.encode([Y], "b"))
+        await wait_entered(runner)
+        runner.gates[-1].set()
+        (y_b,) = await asyncio.wait_for(b, 30)
+        assert isinstance(y_b, Located) and not y_b.hit
+        runs = runner.runs
+        runner.auto = True  # a second run of Y, the bug, must not wait at a gate
+        gate.set()
+        (y_a,) = await asyncio.wait_for(a, 30)
+
+        assert runner.runs == runs, "Y was encoded again into the blocks B had been handed"
+        assert isinstance(y_a, Located) and y_a.hit
+        assert y_a.block_ids == y_b.block_ids and y_a.generation == y_b.generation
+        assert y_a.lease.lease_id != y_b.lease.lease_id
+        assert torch.all(rows(engine, y_a) == float(runs))
+        assert engine.cache.lease_stats.active == 2  # A's and B's leases, each its own
+
+    run_scenario(body)
+
+
+def test_a_failure_after_a_run_fails_its_requests_and_the_encoder_serves_on() -> None:
+    async def body(engine: EncoderEngine, clock: FakeClock, runner: GatedRunner, first: Located) -> None:
+        runner.auto = True
+        mark_written = engine.cache.mark_written
+        y_hash = engine.mm_hash(Y.content_hash())
+
+        def failing(mm_hash: str) -> None:
+            if mm_hash == y_hash:
+                raise ValueError(f"injected failure for {mm_hash}")
+            mark_written(mm_hash)
+
+        engine.cache.mark_written = failing  # type: ignore[method-assign]
+        y, z = await asyncio.wait_for(engine.encode([Y, Z], "a"), 30)
+        assert isinstance(y, Failed) and "injected failure" in str(y.error)
+        assert not engine.cache.contains(y_hash), "Y's unwritten blocks must go back to free"
+        # Z ran in the same batch; whether it was marked before Y's failure or not, its
+        # request gets an answer, and a later request is served by the same batcher.
+        assert isinstance(z, (Located, Failed))
+        (w,) = await asyncio.wait_for(engine.encode([W], "b"), 30)
+        assert isinstance(w, Located) and not w.hit
+        occ = engine.cache.occupancy()
+        assert occ.active_blocks == occ.items  # one block per present item: nothing leaked
+
+    run_scenario(body)
