@@ -133,17 +133,15 @@ class EncoderCacheBlocks:
         return self._lease_ttl_ms
 
     # ------------------------------------------------------------ allocation
-    def allocate(
-        self, mm_hash: str, tokens_per_block: Sequence[int], *, exclusive: bool = False
-    ) -> list[BlockId] | None:
-        """Stamped blocks for ``mm_hash`` (the same ones if present); ``None`` if no room now.
+    def allocate(self, mm_hash: str, tokens_per_block: Sequence[int]) -> list[BlockId] | None:
+        """Fresh stamped blocks for an absent ``mm_hash``; ``None`` if no room now.
 
         Never waits and never evicts: on ``None`` the caller evicts
         (:meth:`evict_lru`) or answers with :meth:`next_reusable_in_ms`.
-        ``exclusive``: the caller will write the blocks, so a present
-        ``mm_hash`` is an error (``ValueError``), never its live blocks: an
-        encoder run must not write over an item others may be reading, or
-        into blocks an eviction may hand to another item mid-run.
+        A present ``mm_hash`` is a ``ValueError``, never its live blocks: the
+        caller writes what it is given, and nothing may write an item's blocks
+        again until they are re-allocated (readers may hold their location,
+        and an eviction mid-write would hand them to another item).
         """
         counts = check_tokens_per_block(tokens_per_block, self._usable, self._block_size)
         # Memoized: an evicted item that comes back is re-allocated under the same
@@ -155,17 +153,11 @@ class EncoderCacheBlocks:
                 self._catch_up(now)
             entry = self._slots.get(mm_hash)
             if entry is not None:
-                if exclusive:
-                    state = "written" if entry.write_time is not None else "being written"
-                    raise ValueError(f"mm_hash {mm_hash!r} is already in the encoder cache ({state})")
-                if entry.tokens_per_block != counts:
-                    raise ValueError(
-                        f"mm_hash {mm_hash!r} is present with tokens_per_block "
-                        f"{entry.tokens_per_block}, allocate asked for {counts}"
-                    )
-                if mm_hash in self._lru:
-                    self._lru.move_to_end(mm_hash)
-                return entry.block_ids.copy()
+                state = "written" if entry.write_time is not None else "being written"
+                raise ValueError(
+                    f"mm_hash {mm_hash!r} is already in the encoder cache ({state}, tokens_per_block "
+                    f"{entry.tokens_per_block}); allocate asked for {counts}"
+                )
             block_ids = self._pool.take(len(counts))
             if block_ids is None:
                 return None

@@ -302,11 +302,7 @@ class EncoderEngine:
                     waiters[h] = flight.join(consumer_id)
                     continue
                 # Pin a hit before anything below may evict to make room for misses.
-                lease = self.cache.acquire(h, owner=consumer_id, pending=True)
-                if lease is not None:
-                    leases[h] = lease
-                    grids[h] = self._grids.get(h, ())
-                else:
+                if not self._pin_hit(h, consumer_id, leases, grids):
                     misses[h] = i
 
             processed = await self._preprocess(items, content, misses, hashes, errors)
@@ -455,12 +451,7 @@ class EncoderEngine:
             flight = self._inflight.get(h)
             if flight is not None:  # another request admitted it while we decoded
                 waiters[h] = flight.join(consumer_id)
-                continue
-            lease = self.cache.acquire(h, owner=consumer_id, pending=True)
-            if lease is not None:  # ... and its run already finished
-                leases[h] = lease
-                grids[h] = self._grids.get(h, ())
-            else:
+            elif not self._pin_hit(h, consumer_id, leases, grids):  # ... or even finished it
                 todo[h] = item
         if not todo:
             return []
@@ -478,7 +469,7 @@ class EncoderEngine:
         jobs: list[_Job] = []
         try:
             for h, item in todo.items():
-                block_ids = self.cache.allocate(h, plans[h], exclusive=True)
+                block_ids = self.cache.allocate(h, plans[h])
                 if block_ids is None:
                     raise CacheFullError(
                         f"freed blocks are still inside the {self.cache.min_hold_time_ms} ms hold",
@@ -495,6 +486,16 @@ class EncoderEngine:
                 waiters.pop(job.mm_hash, None)
             raise
         return jobs
+
+    def _pin_hit(self, mm_hash: str, consumer_id: str, leases: dict[str, Lease],
+                 grids: dict[str, tuple[int, ...]]) -> bool:
+        """Lease a cached item, pending, into ``leases``; ``False`` if it is absent or unwritten."""
+        lease = self.cache.acquire(mm_hash, owner=consumer_id, pending=True)
+        if lease is None:
+            return False
+        leases[mm_hash] = lease
+        grids[mm_hash] = self._grids.get(mm_hash, ())
+        return True
 
     def _fail_runs(self, batch: list[_Job], message: str) -> None:
         """Fail every run of ``batch`` not finished yet; its unwritten blocks go back to free."""
