@@ -203,8 +203,8 @@ class EncoderServerConfig:
              "StatefulSet)")
     attention_kernel: str = setting(
         "auto", env="EPD_ATTENTION_KERNEL",
-        help="attention of the encoder tower: auto (the native CPU kernel on AVX-512 CPUs in float32, built "
-             "once and cached, torch SDPA elsewhere or when it cannot be built), native (that kernel or fail "
+        help="attention of the encoder tower: auto (the native CPU kernel on x86-64 CPUs with AVX2 and FMA or "
+             "AVX-512, in float32, built once and cached, torch SDPA elsewhere or when it cannot be built), native (that kernel or fail "
              "at start-up), sdpa (torch SDPA always)")
     encoder_buckets: tuple[int, ...] | None = setting(
         None, env="EPD_ENCODER_BUCKETS",

@@ -81,7 +81,8 @@ fix_vllm_cpu() {
 }
 
 # The encoder's native attention kernel is built on first use (about a minute); building it here
-# keeps that minute out of the tests. It needs an AVX-512 CPU and a C++ compiler: without them the
+# keeps that minute out of the tests (on an AVX-512 CPU both builds, AVX-512 and AVX2, two minutes).
+# It needs an x86-64 CPU with AVX2 and FMA, and a C++ compiler: without them the
 # encoder uses torch's SDPA, and the kernel's own tests are skipped and say why.
 build_native() {
     if ! "$VENV/bin/python" -m encoder_server.vision.native >/dev/null; then

@@ -12,10 +12,10 @@ neighbours of one frame. Two ways to run many frames at once:
 * :meth:`VisionEncoder.forward_frames` (the fast path: :meth:`embed`, and the
   eager and compiled serving graphs): frames lie back to back in one flat
   sequence of patches and each attends to itself only (:func:`frame_attention`:
-  a native kernel on AVX-512 CPUs, else one unmasked SDPA call per run of
-  equal-length frames). Attention costs the
-  sum of each frame's square, and every other layer runs on rows, so the rows
-  of a batch pay for nothing but themselves (and the bucket's tail padding).
+  a native kernel on AVX2 and AVX-512 CPUs, else one unmasked SDPA call per
+  run of equal-length frames). Attention costs the sum of each frame's
+  square, and every other layer runs on rows, so the rows of a batch pay for
+  nothing but themselves (and the bucket's tail padding).
 * :meth:`VisionEncoder.forward_blocks` (the Neuron graph, where every shape
   must be static): ``[n, L]`` attention blocks with a boolean mask per frame.
 
@@ -143,8 +143,8 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame_len
     ``frame_lengths`` (int64, on the host) lists the frames' row counts in
     order, from row 0, padded with zeros to a static length; rows after the
     last frame are padding and come out as zeros. No work crosses frames. On
-    an AVX-512 CPU in float32 the native kernel computes it (:mod:`.native`),
-    elsewhere :func:`sdpa_frame_attention`. A custom op: compiled graphs keep
+    an x86-64 CPU with AVX2 (or AVX-512), in float32, the native kernel
+    computes it (:mod:`.native`), elsewhere :func:`sdpa_frame_attention`. A custom op: compiled graphs keep
     static shapes and call it as one opaque step, whatever the frames in a launch.
     """
     kernel = native.kernel_for(q)

@@ -10,13 +10,21 @@ from encoder_server.vision import native
 from encoder_server.vision.model import frame_attention, sdpa_frame_attention
 
 
-def _kernel() -> object:
+def _kernel(isa: str | None = None) -> object:
+    """The kernel's build for ``isa`` (default: this CPU's widest); skips where this CPU cannot run it."""
+    capability = torch.backends.cpu.get_cpu_capability()
     if not native.cpu_supported():
-        pytest.skip(f"no AVX-512 on this CPU (torch reports {torch.backends.cpu.get_cpu_capability()})")
+        pytest.skip(f"no AVX2 with FMA on this CPU (torch reports {capability})")
+    if isa is not None and isa not in native.cpu_isas():
+        pytest.skip(f"this CPU cannot run the {isa} build (torch reports {capability})")
     try:
-        return native.build()
+        return native.build(isa=isa)
     except ConfigError as exc:
         pytest.skip(f"native kernel cannot be built here: {exc}")
+
+
+# Every build this CPU can run is tested: an AVX-512 CPU runs both.
+ISAS = sorted(native.ISA_FLAGS)
 
 
 @pytest.fixture(autouse=True)
@@ -26,9 +34,9 @@ def _default_mode() -> object:
     native.configure("auto")
 
 
-# Lengths around the kernel's tiles (16 query rows, 16-key vectors, 256-key steps), a single patch,
-# and the default preprocessing's largest frame (2048 patches).
-LENGTHS = [1, 7, 15, 16, 17, 255, 256, 257, 600, 2048]
+# Lengths around the kernel's tiles (16 or 12 query rows, 8- and 16-key vectors, 256-key steps), a
+# single patch, and the default preprocessing's largest frame (2048 patches).
+LENGTHS = [1, 7, 9, 12, 13, 15, 16, 17, 255, 256, 257, 600, 2048]
 
 
 def _errors(kernel: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -41,9 +49,10 @@ def _errors(kernel: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out, ours, theirs, float(exact.abs().max())
 
 
-@pytest.mark.parametrize("head_dim", sorted(native.HEAD_DIMS))
-def test_kernel_is_as_exact_as_sdpa_for_every_head_size(head_dim: int) -> None:
-    kernel = _kernel()
+@pytest.mark.parametrize(("isa", "head_dim"), [(isa, dim) for isa in ISAS for dim in sorted(native.HEAD_DIMS[isa])])
+def test_kernel_is_as_exact_as_sdpa_for_every_head_size(isa: str, head_dim: int) -> None:
+    kernel = _kernel(isa)
+    assert kernel.isa() == isa and kernel.supports(head_dim)  # type: ignore[attr-defined]
     generator = torch.Generator().manual_seed(head_dim)
     lengths = LENGTHS if head_dim <= 32 else [1, 17, 256, 300]
     rows, heads = sum(lengths) + 40, 3
@@ -59,8 +68,9 @@ def test_kernel_is_as_exact_as_sdpa_for_every_head_size(head_dim: int) -> None:
     assert torch.equal(out[sum(lengths):], torch.zeros(40, heads, head_dim))
 
 
-def test_kernel_keeps_large_score_ranges_finite() -> None:
-    kernel = _kernel()
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_keeps_large_score_ranges_finite(isa: str) -> None:
+    kernel = _kernel(isa)
     generator = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(300, 2, 16, generator=generator) for _ in range(3))
     q = q * 40  # scores spread over thousands: most weights underflow to 0, none become NaN
@@ -70,14 +80,20 @@ def test_kernel_keeps_large_score_ranges_finite() -> None:
     assert ours <= 3 * theirs + 1e-6, (ours, theirs)
 
 
-def test_kernel_refuses_inputs_it_was_not_written_for() -> None:
-    kernel = _kernel()
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_refuses_inputs_it_was_not_written_for(isa: str) -> None:
+    kernel = _kernel(isa)
     q = torch.randn(8, 1, 16)
     with pytest.raises(RuntimeError, match="float32 only"):
         kernel.frame_attention(q.double(), q.double(), q.double(), torch.tensor([8]))  # type: ignore[attr-defined]
-    with pytest.raises(RuntimeError, match="unsupported head_dim 12"):
-        r = torch.randn(8, 1, 12)
-        kernel.frame_attention(r, r, r, torch.tensor([8]))  # type: ignore[attr-defined]
+    # the Python side's list of head sizes is the build's own
+    supported = [d for d in range(1, 257) if kernel.supports(d)]  # type: ignore[attr-defined]
+    assert supported == sorted(native.HEAD_DIMS[isa])
+    for dim in (12, 144, *sorted({16, 32, 48, 64, 80, 96, 128} - native.HEAD_DIMS[isa])):
+        assert not kernel.supports(dim)  # type: ignore[attr-defined]
+        with pytest.raises(RuntimeError, match=f"unsupported head_dim {dim}"):
+            r = torch.randn(8, 1, dim)
+            kernel.frame_attention(r, r, r, torch.tensor([8]))  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="add up to 9 rows, more than the 8"):
         kernel.frame_attention(q, q, q, torch.tensor([4, 5]))  # type: ignore[attr-defined]
 
@@ -88,7 +104,9 @@ def test_dispatch_uses_the_kernel_only_where_it_applies() -> None:
     assert native.kernel_for(torch.empty(4, 2, 16)) is not None
     assert native.kernel_for(torch.empty(4, 2, 16, dtype=torch.bfloat16)) is None  # float32 only
     assert native.kernel_for(torch.empty(4, 2, 12)) is None  # no variant for this head size
-    assert native.describe(16, "cpu", torch.float32) == "native CPU kernel"
+    # the AVX2 build leaves 64 and up to SDPA; the AVX-512 build takes them
+    assert (native.kernel_for(torch.empty(4, 2, 64)) is not None) == (native.cpu_isa() == "avx512")
+    assert native.describe(16, "cpu", torch.float32) == f"native CPU kernel ({native.cpu_isa()})"
     native.configure("sdpa")
     assert native.kernel_for(torch.empty(4, 2, 16)) is None
     assert native.describe(16, "cpu", torch.float32) == "torch SDPA"
@@ -106,16 +124,17 @@ def test_bf16_and_sdpa_mode_go_through_sdpa() -> None:
 
 
 def test_library_name_follows_the_source_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    name = native.library_name()
-    assert name.startswith("epd_frame_attention_") and name == native.library_name()
+    name = native.library_name("avx2")
+    assert name.startswith("epd_frame_attention_avx2_") and name == native.library_name("avx2")
+    assert native.library_name("avx512") != name
     monkeypatch.setattr(native, "CFLAGS", (*native.CFLAGS, "-g"))
-    assert native.library_name() != name
+    assert native.library_name("avx2") != name
 
 
-def test_native_mode_fails_loudly_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "cpu_supported", lambda: False)
+def test_native_mode_fails_loudly_without_avx2(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "cpu_isas", lambda: ())
     native.configure("native")
-    with pytest.raises(ConfigError, match="needs an AVX-512 CPU"):
+    with pytest.raises(ConfigError, match="needs an x86-64 CPU with AVX2 and FMA"):
         native.prepare()
     native.configure("auto")
     assert native.prepare() is None  # auto: SDPA, no error
@@ -126,3 +145,41 @@ def test_search_puts_the_compile_cache_first(tmp_path: object) -> None:
     native.configure("auto", str(tmp_path))
     dirs = native.search_dirs()
     assert dirs[0] == tmp_path / "native" and len(dirs) == 2  # type: ignore[operator]
+
+
+def test_build_refuses_an_isa_this_cpu_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "cpu_isas", lambda: ("avx2",))
+    with pytest.raises(ConfigError, match="cannot run the avx512 build"):
+        native.build(isa="avx512")
+    with pytest.raises(ConfigError, match="no build of the native attention kernel for 'sse2'"):
+        native.build(isa="sse2")
+
+
+def test_an_avx512_cpu_falls_back_to_the_avx2_build_then_to_sdpa(monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    built: list[str | None] = []
+    avx2_module = object()
+
+    def fake_build(directory: object = None, isa: str | None = None) -> object:
+        built.append(isa)
+        if isa == "avx512":
+            raise ConfigError("cannot build the native attention kernel in 'x': no compiler")
+        return avx2_module
+
+    monkeypatch.setattr(native, "cpu_isas", lambda: ("avx512", "avx2"))
+    monkeypatch.setattr(native, "build", fake_build)
+    native.configure("native")
+    with caplog.at_level("WARNING", logger=native.__name__):
+        assert native.prepare() is avx2_module
+    assert built == ["avx512", "avx2"]
+    assert "the avx2 build of the native kernel" in caplog.text and "no compiler" in caplog.text
+
+    def failing_build(directory: object = None, isa: str | None = None) -> object:
+        raise ConfigError(f"cannot build the {isa} build")
+
+    monkeypatch.setattr(native, "build", failing_build)
+    native.configure("native")  # native: every build failed, so start-up fails, naming each failure
+    with pytest.raises(ConfigError, match="cannot build the avx512 build; cannot build the avx2 build"):
+        native.prepare()
+    native.configure("auto")  # auto: SDPA
+    assert native.prepare() is None

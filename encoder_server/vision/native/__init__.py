@@ -3,8 +3,12 @@
 :func:`encoder_server.vision.model.frame_attention` asks :func:`kernel_for`
 for the kernel on every call and runs torch's SDPA where it gets ``None``:
 a GPU, a dtype other than float32, a head size the kernel has no variant
-for, a CPU without AVX-512, or the ``sdpa`` mode. Both compute the same
+for, a CPU without AVX2 and FMA, or the ``sdpa`` mode. Both compute the same
 attention (``tests/unit/test_native_attention.py`` compares them).
+
+One source, two builds: for AVX-512 CPUs (``-mavx512f``) and for AVX2 ones
+(``-mavx2 -mfma``); a process loads the widest its CPU runs, as torch's own
+dispatch detects it (:func:`cpu_isa`).
 
 The kernel is C++ built with ``torch.utils.cpp_extension`` (a C++ compiler
 and ninja) the first time a process needs it, about 30-60 s, into a
@@ -43,12 +47,19 @@ from common.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("frame_attention.cpp")
-# Only AVX-512F intrinsics: the library runs on any AVX-512 CPU, not only the one that built it.
 # -fopenmp: at::parallel_for is OpenMP pragmas inlined into the caller; without it the kernel runs on
 # one thread. The library then needs libgomp.so.1, which resolves to the copy torch has loaded already.
-CFLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp")
+CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-HEAD_DIMS = frozenset({16, 32, 48, 64, 80, 96, 128})  # the kernel's variants (attend_for)
+# Each build's instruction set, no -march: the library runs on any CPU with it, not only the builder's.
+ISA_FLAGS: dict[str, tuple[str, ...]] = {"avx512": ("-mavx512f", "-mfma"), "avx2": ("-mavx2", "-mfma")}
+# torch's CPU capability -> the builds that run on it, widest first.
+_ISAS_FOR_CAPABILITY: dict[str, tuple[str, ...]] = {"AMX": ("avx512", "avx2"), "AVX512": ("avx512", "avx2"),
+                                                    "AVX2": ("avx2",)}
+# Each build's head sizes (attend_for in the source). The AVX2 build stops at 48: from 64 up torch's
+# SDPA was as fast or faster on the development host (BENCHMARKS.md, "An AVX2 build").
+HEAD_DIMS: dict[str, frozenset[int]] = {"avx512": frozenset({16, 32, 48, 64, 80, 96, 128}),
+                                        "avx2": frozenset({16, 32, 48})}
 
 
 class AttentionKernel(enum.Enum):
@@ -80,19 +91,30 @@ def configure(mode: AttentionKernel | str = AttentionKernel.AUTO, cache_dir: str
         _state.tried = False
 
 
+def cpu_isas() -> tuple[str, ...]:
+    """The builds this CPU runs, widest first (torch's capability: AVX2 means AVX2 and FMA); empty if none."""
+    return _ISAS_FOR_CAPABILITY.get(torch.backends.cpu.get_cpu_capability(), ())
+
+
+def cpu_isa() -> str | None:
+    """The build this CPU loads: ``avx512``, ``avx2``, or None (no kernel for it)."""
+    isas = cpu_isas()
+    return isas[0] if isas else None
+
+
 def cpu_supported() -> bool:
-    """Whether this CPU runs the kernel (AVX-512, as torch's own dispatch detects it)."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+    """Whether this CPU runs the kernel at all."""
+    return cpu_isa() is not None
 
 
-def library_name() -> str:
-    """The built library's name: changes with the source, the flags and the torch version."""
+def library_name(isa: str) -> str:
+    """The built library's name: changes with the source, the build's flags and the torch version."""
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
-    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    digest.update(" ".join(CFLAGS + ISA_FLAGS[isa] + LDFLAGS).encode())
     digest.update(torch.__version__.encode())
     digest.update(f"py{sys.version_info.major}{sys.version_info.minor}".encode())
-    return f"epd_frame_attention_{digest.hexdigest()[:12]}"
+    return f"epd_frame_attention_{isa}_{digest.hexdigest()[:12]}"
 
 
 def search_dirs() -> list[Path]:
@@ -112,16 +134,24 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
-def build(directory: Path | None = None) -> ModuleType:
+def build(directory: Path | None = None, isa: str | None = None) -> ModuleType:
     """Load the kernel, building it first (into ``directory`` or the first search dir) if no built copy exists.
 
-    Raises :class:`ConfigError` saying why when the CPU lacks AVX-512 or the build fails.
+    ``isa``: the build (``avx512`` or ``avx2``), by default the widest this CPU runs. Raises
+    :class:`ConfigError` saying why when the CPU cannot run it or the build fails.
     """
+    capability = torch.backends.cpu.get_cpu_capability()
     if not cpu_supported():
         raise ConfigError(
-            f"the native attention kernel needs an AVX-512 CPU; torch reports "
-            f"{torch.backends.cpu.get_cpu_capability()!r} (use --attention-kernel sdpa or auto)")
-    name = library_name()
+            f"the native attention kernel needs an x86-64 CPU with AVX2 and FMA or AVX-512; torch reports "
+            f"{capability!r} (use --attention-kernel sdpa or auto)")
+    isa = isa if isa is not None else cpu_isa()
+    if isa not in ISA_FLAGS:
+        raise ConfigError(f"no build of the native attention kernel for {isa!r}; there are {sorted(ISA_FLAGS)}")
+    if isa not in cpu_isas():
+        raise ConfigError(f"this CPU cannot run the {isa} build of the native attention kernel "
+                          f"(torch reports {capability!r}; it runs {list(cpu_isas())})")
+    name = library_name(isa)
     for root in ([directory] if directory is not None else search_dirs()):
         built = root / name / f"{name}.so"
         if built.is_file():
@@ -130,10 +160,11 @@ def build(directory: Path | None = None) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     started = time.monotonic()
-    logger.info("building the native attention kernel into %s (once per torch version; about a minute)", target)
+    logger.info("building the native attention kernel (%s) into %s (once per torch version; about a minute)",
+                isa, target)
     try:
         target.mkdir(parents=True, exist_ok=True)
-        module: ModuleType = load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+        module: ModuleType = load(name=name, sources=[str(SOURCE)], extra_cflags=[*CFLAGS, *ISA_FLAGS[isa]],
                                   extra_ldflags=list(LDFLAGS), build_directory=str(target))
     except (OSError, RuntimeError, ImportError) as exc:
         raise ConfigError(f"cannot build the native attention kernel in {str(target)!r}: {exc}") from exc
@@ -153,43 +184,63 @@ def prepare() -> ModuleType | None:
         if _state.mode is AttentionKernel.SDPA:
             return None
         if _state.mode is AttentionKernel.AUTO and not cpu_supported():
-            logger.info("attention: torch SDPA (this CPU has no AVX-512 for the native kernel)")
+            logger.info("attention: torch SDPA (this CPU has neither AVX2 with FMA nor AVX-512 for the native kernel)")
             return None
-        try:
-            _state.module = build()
-        except ConfigError as exc:
-            if _state.mode is AttentionKernel.NATIVE:
-                raise
-            logger.warning("attention: torch SDPA, the native kernel is unavailable: %s", exc)
-            return None
-        return _state.module
+        failures: list[str] = []
+        # Widest build first; an AVX-512 CPU falls back to the AVX2 build (e.g. the only one an
+        # image built on an AVX2 builder holds) before it falls back to SDPA.
+        for isa in cpu_isas() or (None,):
+            try:
+                _state.module = build(isa=isa)
+            except ConfigError as exc:
+                failures.append(str(exc))
+                continue
+            if failures:
+                logger.warning("attention: the %s build of the native kernel, as the wider one is unavailable: %s",
+                               isa, failures[0])
+            return _state.module
+        if _state.mode is AttentionKernel.NATIVE:
+            raise ConfigError("; ".join(failures))
+        logger.warning("attention: torch SDPA, the native kernel is unavailable: %s", "; ".join(failures))
+        return None
 
 
 def kernel_for(q: torch.Tensor) -> ModuleType | None:
     """The kernel if it computes attention for ``q [rows, heads, head_dim]``, else ``None`` (use SDPA)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS:
+    if q.device.type != "cpu" or q.dtype != torch.float32:
         return None
     if not _state.tried:
         prepare()
-    return _state.module
+    module = _state.module
+    if module is None or q.shape[-1] not in HEAD_DIMS[module.isa()]:
+        return None
+    return module
 
 
 def describe(head_dim: int, device: torch.device | str, dtype: torch.dtype) -> str:
     """Which attention a tower with these properties runs, for the start-up log."""
     probe = torch.empty(0, 1, head_dim, device=device, dtype=dtype)
-    if kernel_for(probe) is not None:
-        return "native CPU kernel"
+    kernel = kernel_for(probe)
+    if kernel is not None:
+        return f"native CPU kernel ({kernel.isa()})"
     return "torch SDPA"
 
 
 def main() -> int:
-    """``python -m encoder_server.vision.native [DIR]``: build the kernel ahead of time; prints where it is."""
+    """``python -m encoder_server.vision.native [DIR]``: build the kernel ahead of time, every build this CPU runs.
+
+    Prints where each is; exit status 1 if any fails.
+    """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     directory = Path(sys.argv[1]) if len(sys.argv) > 1 else None
-    try:
-        module = build(directory)
-    except ConfigError as exc:
-        print(f"native attention kernel: {exc}", file=sys.stderr)
-        return 1
-    print(module.__file__)
-    return 0
+    isas = cpu_isas() or (None,)  # None: build() says why this CPU has none
+    failed = False
+    for isa in isas:
+        try:
+            module = build(directory, isa)
+        except ConfigError as exc:
+            print(f"native attention kernel: {exc}", file=sys.stderr)
+            failed = True
+            continue
+        print(module.__file__)
+    return 1 if failed else 0
