@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common.errors import ConfigError
 from encoder_server.vision import native
-from encoder_server.vision.model import frame_attention, sdpa_frame_attention
+from encoder_server.vision.model import TanhGELU, frame_attention, sdpa_frame_attention
 
 
 def _kernel(isa: str | None = None) -> object:
@@ -183,3 +184,42 @@ def test_an_avx512_cpu_falls_back_to_the_avx2_build_then_to_sdpa(monkeypatch: py
         native.prepare()
     native.configure("auto")  # auto: SDPA
     assert native.prepare() is None
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_gelu_tanh_is_as_exact_as_torchs(isa: str) -> None:
+    kernel = _kernel(isa)
+    generator = torch.Generator().manual_seed(3)
+    for shape in [(8192, 64), (7, 3), (1, 1), (0, 4), (33,)]:
+        x = torch.randn(*shape, generator=generator) * 4
+        exact = F.gelu(x.double(), approximate="tanh")
+        out = kernel.gelu_tanh(x)  # type: ignore[attr-defined]
+        assert out.shape == x.shape and out.dtype == torch.float32
+        if x.numel():
+            theirs = float((F.gelu(x, approximate="tanh").double() - exact).abs().max())
+            assert float((out.double() - exact).abs().max()) <= 2 * theirs + 1e-7
+    # far tails and a NaN: x itself, 0 to float precision, NaN; a strided view is read as it lies
+    edges = torch.tensor([-1e4, -30.0, 30.0, 1e4, float("nan")])
+    out = kernel.gelu_tanh(edges)  # type: ignore[attr-defined]
+    assert out[:2].abs().max() < 1e-12 and torch.equal(out[2:4], edges[2:4]) and out[4].isnan()
+    wide = torch.randn(64, 40, generator=generator)
+    strided = kernel.gelu_tanh(wide[:, ::2])  # type: ignore[attr-defined]
+    assert torch.equal(strided, kernel.gelu_tanh(wide[:, ::2].contiguous()))  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="float32 CPU tensors only"):
+        kernel.gelu_tanh(wide.double())  # type: ignore[attr-defined]
+
+
+def test_tower_gelu_takes_the_kernel_only_in_eager_float32_inference() -> None:
+    kernel = _kernel()
+    gelu = TanhGELU()
+    x = torch.randn(100, 64)
+    assert native.elementwise_kernel_for(x) is kernel
+    assert torch.equal(gelu(x), kernel.gelu_tanh(x))  # type: ignore[attr-defined]
+    assert native.elementwise_kernel_for(x.bfloat16()) is None
+    grad = x.clone().requires_grad_()
+    assert native.elementwise_kernel_for(grad) is None
+    gelu(grad).sum().backward()  # torch's op, so gradients flow
+    assert grad.grad is not None
+    native.configure("sdpa")  # no kernel: torch's
+    assert native.elementwise_kernel_for(x) is None
+    assert torch.equal(gelu(x), F.gelu(x, approximate="tanh"))

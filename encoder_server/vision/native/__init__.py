@@ -217,6 +217,18 @@ def kernel_for(q: torch.Tensor) -> ModuleType | None:
     return module
 
 
+def elementwise_kernel_for(x: torch.Tensor) -> ModuleType | None:
+    """The kernel if its elementwise functions (``gelu_tanh``) take ``x``, else ``None`` (use torch's).
+
+    Float32 on the CPU, outside autograd: the kernel computes values, no gradients.
+    """
+    if x.device.type != "cpu" or x.dtype != torch.float32 or (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    if not _state.tried:
+        prepare()
+    return _state.module
+
+
 def describe(head_dim: int, device: torch.device | str, dtype: torch.dtype) -> str:
     """Which attention a tower with these properties runs, for the start-up log."""
     probe = torch.empty(0, 1, head_dim, device=device, dtype=dtype)

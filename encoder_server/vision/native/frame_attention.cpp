@@ -33,6 +33,23 @@ namespace {
 using AttendFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, int, float,
                           float*, int64_t);
 
+// 2^y for y <= 0 in 8 lanes (both builds: the AVX2 attention and the GELU), as exp2_512 below does,
+// without AVX-512's scalef: 2^n is built in the exponent bits, so y is clamped at -100 first (2^-100
+// is nothing to a sum that holds 1, and keeps the exponent and every product with it a normal float).
+inline __m256 exp2_256(__m256 y) {
+  y = _mm256_max_ps(y, _mm256_set1_ps(-100.f));
+  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.3264631852507591e-3f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.671486914157867e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550733581185341e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022242426872253e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931470036506653e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
 #if defined(__AVX512F__)
 
 constexpr const char* kIsa = "avx512";
@@ -168,23 +185,6 @@ constexpr int kKeyTile = 256;   // keys per online-softmax step
 constexpr int kScoreRows = 6;   // q rows per q.k block of 16 keys
 constexpr int kValueRows = 6;   // q rows per p.v pass of 16 output columns
 static_assert(kQueryRows % kScoreRows == 0 && kScoreRows % kValueRows == 0, "p.v passes must tile the q.k rows");
-
-// 2^y for y <= 0, as exp2_512 does, without AVX-512's scalef: 2^n is built in the exponent bits,
-// so y is clamped at -100 first (2^-100 is nothing to a sum that holds 1, and keeps the exponent
-// and every product with it a normal float).
-inline __m256 exp2_256(__m256 y) {
-  y = _mm256_max_ps(y, _mm256_set1_ps(-100.f));
-  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(y, n);
-  __m256 p = _mm256_set1_ps(1.3264631852507591e-3f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.671486914157867e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550733581185341e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022242426872253e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931470036506653e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-}
 
 inline float hmax256(__m256 x) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -424,8 +424,46 @@ torch::Tensor frame_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   return out;
 }
 
+// GELU, tanh approximation, for the tower's eager path: x * sigmoid(2u) with u = sqrt(2/pi) (x +
+// 0.044715 x^3), that is x / (1 + 2^y) with y = -2 log2(e) u, in 8 lanes (both builds). torch's own
+// CPU kernel for it took 1.1 ms for [8192, 64] on the development host, 4x a plain exp of the same
+// tensor. y is clamped to [-100, 64]: past either end the result is x or 0 to float precision.
+namespace {
+
+void gelu_tanh_range(const float* x, float* out, int64_t n) {
+  constexpr float kA = -2.302208198144325f;  // -2 log2(e) sqrt(2/pi)
+  constexpr float kB = kA * 0.044715f;
+  const __m256 a = _mm256_set1_ps(kA), b = _mm256_set1_ps(kB), one = _mm256_set1_ps(1.f);
+  const __m256 hi = _mm256_set1_ps(64.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 y = _mm256_min_ps(_mm256_mul_ps(v, _mm256_fmadd_ps(b, _mm256_mul_ps(v, v), a)), hi);
+    _mm256_storeu_ps(out + i, _mm256_div_ps(v, _mm256_add_ps(one, exp2_256(y))));
+  }
+  for (; i < n; ++i) {
+    const float v = x[i];
+    out[i] = v / (1.f + std::exp2(std::min(v * (kA + kB * v * v), 64.f)));
+  }
+}
+
+}  // namespace
+
+torch::Tensor gelu_tanh(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "float32 CPU tensors only");
+  const auto input = x.contiguous();
+  auto out = torch::empty_like(input);
+  const float* xp = input.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, input.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    gelu_tanh_range(xp + begin, op + begin, end - begin);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("frame_attention", &frame_attention);
   m.def("supports", &supports);
   m.def("isa", &isa);
+  m.def("gelu_tanh", &gelu_tanh);
 }
