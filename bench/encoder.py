@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         encoder = load_encoder(tmp)
     items = make_batch(encoder)
     tokens = sum(item.num_tokens for item in items)
-    pixel_values = torch.cat([item.pixel_values for item in items])
+    # Hugging Face's rows (each image's frame twice) for transformers and embed; the serving path takes the
+    # items as the encoder's preprocessing makes them, an image's frame once (ProcessedItem.repeat).
+    pixel_values = torch.cat([item.hf_pixel_values() for item in items])
     grid_thw = torch.tensor([list(item.grid_thw) for item in items])
 
     def transformers_rows() -> torch.Tensor:

@@ -5,8 +5,9 @@ processor produces for the same parameters: decode (see :mod:`.media`), resize
 with ``smart_resize`` and bicubic resampling, rescale by ``1/255`` (in float64,
 then float32, as HF does), normalize with the checkpoint's mean/std, and
 patchify into rows of ``C * temporal_patch * patch * patch`` values ordered in
-spatial-merge blocks. An image is its own frame twice (one temporal patch);
-a video is a list of frames, optionally subsampled to ``video_sample_fps``,
+spatial-merge blocks. An image is its own frame twice (one temporal patch),
+whose rows hold the frame once (``ProcessedItem.repeat``: half the bytes; the
+Hugging Face rows are :meth:`ProcessedItem.hf_pixel_values`); a video is a list of frames, optionally subsampled to ``video_sample_fps``,
 padded with its last frame to a multiple of the temporal patch.
 
 ``grid_thw = (t, h, w)`` counts patches; an item yields ``t*h*w // merge**2``
@@ -256,12 +257,32 @@ def _pixel_bounds(raw: dict[str, Any]) -> tuple[int | None, int | None]:
 
 @dataclass(frozen=True, slots=True)
 class ProcessedItem:
-    """One preprocessed media item in the Hugging Face input convention."""
+    """One preprocessed media item: Hugging Face's patch rows, or for an image one copy of them.
 
-    pixel_values: torch.Tensor  # [t*h*w, 3*T*P*P] float32, rows in spatial-merge-block order
+    ``repeat`` 1: ``pixel_values`` are the Hugging Face rows, ``[t*h*w, 3*T*P*P]``.
+    ``repeat`` T (an image, one temporal patch of the same frame T times): each row holds
+    the frame's patch once, ``[h*w, 3*P*P]``, a T-th of the bytes; the tower's patch
+    embedding takes it as it is (:meth:`hf_pixel_values` gives the Hugging Face rows).
+    """
+
+    pixel_values: torch.Tensor  # float32, rows in spatial-merge-block order
     grid_thw: tuple[int, int, int]  # patches: temporal, height, width
     num_tokens: int  # t*h*w // merge**2 merged tokens = cache rows
     kind: str  # "image" | "video"
+    repeat: int = 1  # temporal copies each row stands for
+
+    def hf_pixel_values(self) -> torch.Tensor:
+        """The rows in the Hugging Face convention, ``[t*h*w, 3*T*P*P]`` (a copy when ``repeat`` > 1)."""
+        if self.repeat == 1:
+            return self.pixel_values
+        return expand_still_rows(self.pixel_values, self.repeat)
+
+
+def expand_still_rows(rows: torch.Tensor, repeat: int) -> torch.Tensor:
+    """``[n, 3*P*P]`` rows of one frame -> ``[n, 3*T*P*P]``, values ordered ``(C, T, py, px)`` like Conv3d."""
+    n, width = rows.shape
+    per_channel = width // 3
+    return rows.view(n, 3, 1, per_channel).expand(n, 3, repeat, per_channel).reshape(n, 3 * repeat * per_channel)
 
 
 class Preprocessor:
@@ -278,8 +299,9 @@ class Preprocessor:
         rgb = decode_image(data, item=item, max_pixels=c.max_image_pixels, formats=c.formats)
         height, width = self._target_size(rgb, c.min_pixels, c.max_pixels, item)
         frame = self._normalize(rgb, height, width)
-        # An image is one temporal patch: the same frame repeated temporal_patch_size times.
-        return self._patchify([frame] * c.temporal_patch_size, "image")
+        # An image is one temporal patch: the same frame repeated temporal_patch_size times. Its rows
+        # hold the frame once (repeat); the patch embedding sums its weights over the copies instead.
+        return self._patchify([frame], "image", repeat=c.temporal_patch_size)
 
     def warmup_item(self) -> ProcessedItem:
         """A real preprocessed image (mid-gray, the smallest size) for warming the graph up."""
@@ -344,9 +366,10 @@ class Preprocessor:
             pixels = (pixels - self._mean) / self._std
         return pixels
 
-    def _patchify(self, frames: list[np.ndarray], kind: str) -> ProcessedItem:
+    def _patchify(self, frames: list[np.ndarray], kind: str, repeat: int = 1) -> ProcessedItem:
         c = self.config
-        p, m, tp = c.patch_size, c.merge_size, c.temporal_patch_size
+        # repeat > 1: one frame standing for a whole temporal patch of copies of itself
+        p, m, tp = c.patch_size, c.merge_size, c.temporal_patch_size // repeat
         stack = np.stack(frames)  # [F, H, W, C]
         num_frames, height, width, channels = stack.shape
         t, gh, gw = num_frames // tp, height // p, width // p
@@ -360,6 +383,7 @@ class Preprocessor:
             grid_thw=(t, gh, gw),
             num_tokens=t * gh * gw // (m * m),
             kind=kind,
+            repeat=repeat,
         )
 
 

@@ -88,10 +88,23 @@ class PatchEmbed(nn.Module):
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
         self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
 
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+    def forward(self, patches: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+        """``[rows, patch_dim]`` patches -> ``[rows, hidden]``; ``repeat`` T: rows of one frame, ``[rows, patch_dim / T]``.
+
+        A still's temporal patch is its frame T times, so its convolution is the frame's against
+        the kernel summed over time: a T-th of the bytes and the work.
+        """
         # A stride-equals-kernel convolution over exactly one window is a matmul;
         # the matmul form keeps the static graph free of conv lowering.
-        weight = self.proj.weight.reshape(self.proj.out_channels, -1)
+        out_channels, channels, temporal = self.proj.weight.shape[:3]
+        if repeat == 1:
+            weight = self.proj.weight.reshape(out_channels, -1)
+        elif repeat == temporal:
+            weight = self.proj.weight.sum(dim=2).reshape(out_channels, -1)
+        else:
+            raise ValueError(f"repeat {repeat}: rows stand for 1 or {temporal} (the temporal patch) copies of a frame")
+        if patches.shape[-1] != weight.shape[1]:
+            raise ValueError(f"patches shape {tuple(patches.shape)}: expected (..., {weight.shape[1]}) for repeat {repeat}")
         x = patches.to(weight.dtype)
         if _onednn_linear_applies(x, weight):
             # Tall and narrow (patch_dim 1536 in, hidden_size out): oneDNN's matmul ran it
@@ -357,9 +370,10 @@ class VisionEncoder(nn.Module):
         cos, sin = rotary_cos_sin(positions, self.rotary_pos_emb.inv_freq)
         return self._layers(x, lambda block, h: block(h, cos, sin, frames))
 
-    def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``[rows, patch_dim]`` pixels -> ``[rows, hidden_size]`` patch embeddings."""
-        out: torch.Tensor = self.patch_embed(pixels)
+    def embed_patches(self, pixels: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+        """``[rows, patch_dim]`` pixels (``[rows, patch_dim / T]`` with ``repeat`` T, see
+        :class:`~encoder_server.preprocess.ProcessedItem`) -> ``[rows, hidden_size]`` patch embeddings."""
+        out: torch.Tensor = self.patch_embed(pixels, repeat)
         return out
 
     def forward_blocks(
@@ -402,11 +416,18 @@ class VisionEncoder(nn.Module):
         """Plain forward in the Hugging Face convention: ``[sum t*h*w / merge**2, fat_dim]``.
 
         The same path the serving graph takes (:meth:`forward_frames`), without padding.
+        ``pixel_values`` may also hold stills' rows of one frame (``[rows, patch_dim / T]``, every
+        grid's t 1: :class:`~encoder_server.preprocess.ProcessedItem` with ``repeat`` T).
         """
         grids = _grid_list(grid_thw)
         cfg = self.config
         total = sum(t * h * w for t, h, w in grids)
-        if pixel_values.dim() != 2 or pixel_values.shape != (total, cfg.patch_dim):
+        still_dim = cfg.patch_dim // cfg.temporal_patch_size
+        repeat = 1
+        if (pixel_values.dim() == 2 and pixel_values.shape == (total, still_dim) and cfg.temporal_patch_size > 1
+                and all(t == 1 for t, _, _ in grids)):
+            repeat = cfg.temporal_patch_size
+        elif pixel_values.dim() != 2 or pixel_values.shape != (total, cfg.patch_dim):
             raise ValueError(
                 f"pixel_values shape {tuple(pixel_values.shape)} does not match grid_thw {grids}: "
                 f"expected ({total}, {cfg.patch_dim})"
@@ -418,7 +439,7 @@ class VisionEncoder(nn.Module):
         index, weight, positions = frame_tables(frames, cfg.spatial_merge_size, cfg.num_grid_per_side)
         device = self.device
         return self.forward_frames(
-            self.embed_patches(pixel_values.to(device)), index.to(device), weight.to(device), positions.to(device),
+            self.embed_patches(pixel_values.to(device), repeat), index.to(device), weight.to(device), positions.to(device),
             torch.tensor([h * w for h, w in frames], dtype=torch.int64))
 
 

@@ -153,9 +153,11 @@ class EncoderRunner:
             # Embed each item's patches once (a matmul per item); packing then moves rows of
             # hidden_size, not the pixels' patch_dim (24x narrower for Qwen3-VL).
             with torch.no_grad():
-                sources = [self.encoder.embed_patches(item.pixel_values.to(self.encoder.device)) for item in items]
+                sources = [self.encoder.embed_patches(item.pixel_values.to(self.encoder.device), item.repeat)
+                           for item in items]
         else:
-            sources = [item.pixel_values.to(self.encoder.dtype) for item in items]
+            # the blocks graph (Neuron) takes pixels of one static width: a still's rows are expanded
+            sources = [item.hf_pixel_values().to(self.encoder.dtype) for item in items]
         for launch in plan_launches(frames, self._shapes):
             inputs = self._launch_inputs(launch, items, sources, dests, scratch_block_id)
             result = self._backend.run(launch.shape, launch.exact, inputs, buffer)
@@ -213,10 +215,14 @@ class EncoderRunner:
             t, h, w = item.grid_thw
             if h % cfg.spatial_merge_size or w % cfg.spatial_merge_size or t <= 0:
                 raise ValueError(f"item {index}: grid {item.grid_thw} does not fit merge size {cfg.spatial_merge_size}")
-            if tuple(item.pixel_values.shape) != (t * h * w, cfg.patch_dim):
+            if item.repeat not in (1, cfg.temporal_patch_size) or (item.repeat > 1 and t != 1):
+                raise ValueError(f"item {index}: repeat {item.repeat} with grid {item.grid_thw}: rows stand for 1 "
+                                 f"or, with t 1, {cfg.temporal_patch_size} (the temporal patch) copies of a frame")
+            width = cfg.patch_dim // item.repeat
+            if tuple(item.pixel_values.shape) != (t * h * w, width):
                 raise ValueError(
                     f"item {index}: pixel_values shape {tuple(item.pixel_values.shape)} does not match "
-                    f"grid {item.grid_thw} and patch_dim {cfg.patch_dim}"
+                    f"grid {item.grid_thw} and patch_dim {width} (repeat {item.repeat})"
                 )
             if item.num_tokens != t * h * w // cfg.merge_unit:
                 raise ValueError(f"item {index}: num_tokens {item.num_tokens} != t*h*w/merge^2 of {item.grid_thw}")

@@ -114,6 +114,38 @@ def test_rows_do_not_depend_on_batch_or_bucket(encoder: VisionEncoder, layout: s
                                    atol=ATOL, rtol=ATOL)
 
 
+def still(encoder: VisionEncoder, grid: tuple[int, int, int], seed: int) -> ProcessedItem:
+    """An image as the preprocessing makes it: each patch's frame once (repeat 2), half the width."""
+    _, h, w = grid
+    values = torch.randn(h * w, encoder.config.patch_dim // 2, generator=torch.Generator().manual_seed(seed))
+    return ProcessedItem(values, grid, h * w // 4, "image", repeat=2)
+
+
+def test_stills_rows_of_one_frame_equal_their_hugging_face_rows(encoder: VisionEncoder, layout: str) -> None:
+    runner = EncoderRunner(encoder, block_size=BLOCK, buckets=(64, 128), backend="eager", pad_to_bucket=True)
+    items = [still(encoder, (1, 4, 6), 11), item(encoder, (2, 4, 4), 12), still(encoder, (1, 8, 8), 13)]
+    tpbs = [default_tokens_per_block(i.num_tokens, BLOCK) for i in items]
+    blocks = allocate(items, tpbs)
+    buffer = nan_buffer(encoder)
+    runner.write(items, blocks, tpbs, buffer, SCRATCH)
+    for it, b, counts in zip(items, blocks, tpbs):
+        full = ProcessedItem(it.hf_pixel_values(), it.grid_thw, it.num_tokens, it.kind)
+        assert full.pixel_values.shape == (it.num_tokens * 4, encoder.config.patch_dim)
+        torch.testing.assert_close(rows_of(buffer, b, counts), encoder.embed(full.pixel_values, [it.grid_thw]),
+                                   atol=ATOL, rtol=ATOL)
+    a = items[0]
+    cases = [
+        (ProcessedItem(a.pixel_values, a.grid_thw, a.num_tokens, "image", repeat=3), "repeat 3"),
+        (ProcessedItem(a.pixel_values, (2, 2, 6), a.num_tokens // 2, "video", repeat=2), "repeat 2 with grid"),
+        (ProcessedItem(a.hf_pixel_values(), a.grid_thw, a.num_tokens, "image", repeat=2), "patch_dim 768"),
+    ]
+    for bad, message in cases:
+        buffer = nan_buffer(encoder)
+        with pytest.raises(ValueError, match=message):
+            runner.write([bad], [[0]], [[bad.num_tokens]], buffer, SCRATCH)
+        assert torch.isnan(buffer).all(), message
+
+
 def test_padding_lands_only_in_the_scratch_block(encoder: VisionEncoder, layout: str) -> None:
     runner = EncoderRunner(encoder, block_size=BLOCK, buckets=(64, 128), backend="eager", pad_to_bucket=True)
     items = mixed_batch(encoder)

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from common.errors import ConfigError
+from encoder_server.preprocess import expand_still_rows
 from encoder_server.vision import VisionConfig, load_encoder
 from encoder_server.vision.model import TanhGELU, frame_attention, frame_runs, rotary_cos_sin, sdpa_frame_attention
 from encoder_server.vision.positions import frame_interpolation, frame_positions
@@ -63,6 +64,27 @@ def test_embed_matches_transformers(tmp_path: Path, prefix: str) -> None:
     ref = hf_rows(model, pixel_values, GRIDS)
     assert ours.shape == (total // 4, 192)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_stills_rows_of_one_frame_match_transformers_on_the_repeated_frame(tmp_path: Path) -> None:
+    # Images as the preprocessing hands them over (ProcessedItem.repeat 2: each patch once, half the
+    # width) give transformers' rows for the Hugging Face input, which repeats the frame.
+    config, model = hf_model()
+    save_checkpoint(tmp_path, config, model)
+    encoder = load_encoder(str(tmp_path))
+    grids = torch.tensor([[1, 4, 6], [1, 2, 2], [1, 10, 2]])
+    total = int(grids.prod(-1).sum())
+    frames = torch.randn(total, encoder.config.patch_dim // 2, generator=torch.Generator().manual_seed(6))
+    full = expand_still_rows(frames, 2)
+    assert full.shape == (total, encoder.config.patch_dim)
+    torch.testing.assert_close(encoder.embed(frames, grids), hf_rows(model, full, grids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(encoder.embed(frames, grids), encoder.embed(full, grids), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="does not match grid_thw"):  # a video's grid wants full rows
+        encoder.embed(frames[:32], [(2, 4, 4)])
+    with pytest.raises(ValueError, match="repeat 3"):
+        encoder.embed_patches(frames, repeat=3)
+    with pytest.raises(ValueError, match=r"expected \(\.\.\., 1536\) for repeat 1"):
+        encoder.embed_patches(frames)
 
 
 def test_deepstack_order_follows_layers(tmp_path: Path) -> None:
