@@ -204,8 +204,8 @@ class EncoderServerConfig:
     attention_kernel: str = setting(
         "auto", env="EPD_ATTENTION_KERNEL",
         help="attention of the encoder tower: auto (the native CPU kernel on x86-64 CPUs with AVX2 and FMA or "
-             "AVX-512, in float32, built once and cached, torch SDPA elsewhere or when it cannot be built), native (that kernel or fail "
-             "at start-up), sdpa (torch SDPA always)")
+             "AVX-512, in float32, built once and cached, torch SDPA elsewhere or when it cannot be built), "
+             "native (that kernel or fail at start-up), sdpa (torch SDPA always, and torch's GELU)")
     encoder_buckets: tuple[int, ...] | None = setting(
         None, env="EPD_ENCODER_BUCKETS",
         help="sizes in merged tokens of the static-shape encoder graphs, comma separated; each is built "

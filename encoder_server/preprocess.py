@@ -7,8 +7,9 @@ then float32, as HF does), normalize with the checkpoint's mean/std, and
 patchify into rows of ``C * temporal_patch * patch * patch`` values ordered in
 spatial-merge blocks. An image is its own frame twice (one temporal patch),
 whose rows hold the frame once (``ProcessedItem.repeat``: half the bytes; the
-Hugging Face rows are :meth:`ProcessedItem.hf_pixel_values`); a video is a list of frames, optionally subsampled to ``video_sample_fps``,
-padded with its last frame to a multiple of the temporal patch.
+Hugging Face rows are :meth:`ProcessedItem.hf_pixel_values`); a video is a
+list of frames, optionally subsampled to ``video_sample_fps``, padded with its
+last frame to a multiple of the temporal patch.
 
 ``grid_thw = (t, h, w)`` counts patches; an item yields ``t*h*w // merge**2``
 merged tokens (cache rows).

@@ -87,24 +87,28 @@ class PatchEmbed(nn.Module):
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
         self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
+        # The kernel summed over time (stills' rows), with the weight's identity and version it was summed from.
+        self._summed: tuple[tuple[int, int, torch.dtype, torch.device], torch.Tensor] | None = None
 
     def forward(self, patches: torch.Tensor, repeat: int = 1) -> torch.Tensor:
-        """``[rows, patch_dim]`` patches -> ``[rows, hidden]``; ``repeat`` T: rows of one frame, ``[rows, patch_dim / T]``.
+        """``[rows, patch_dim]`` patches -> ``[rows, hidden]``.
 
-        A still's temporal patch is its frame T times, so its convolution is the frame's against
-        the kernel summed over time: a T-th of the bytes and the work.
+        ``repeat`` T: rows of one frame, ``[rows, patch_dim / T]``. A still's temporal patch
+        is its frame T times, so its convolution is the frame's against the kernel summed
+        over time: a T-th of the bytes and the work.
         """
         # A stride-equals-kernel convolution over exactly one window is a matmul;
         # the matmul form keeps the static graph free of conv lowering.
-        out_channels, channels, temporal = self.proj.weight.shape[:3]
+        out_channels, temporal = self.proj.weight.shape[0], self.proj.weight.shape[2]
         if repeat == 1:
             weight = self.proj.weight.reshape(out_channels, -1)
         elif repeat == temporal:
-            weight = self.proj.weight.sum(dim=2).reshape(out_channels, -1)
+            weight = self._summed_weight()
         else:
             raise ValueError(f"repeat {repeat}: rows stand for 1 or {temporal} (the temporal patch) copies of a frame")
         if patches.shape[-1] != weight.shape[1]:
-            raise ValueError(f"patches shape {tuple(patches.shape)}: expected (..., {weight.shape[1]}) for repeat {repeat}")
+            raise ValueError(f"patches shape {tuple(patches.shape)}: expected (..., {weight.shape[1]}) "
+                             f"for repeat {repeat}")
         x = patches.to(weight.dtype)
         if _onednn_linear_applies(x, weight):
             # Tall and narrow (patch_dim 1536 in, hidden_size out): oneDNN's matmul ran it
@@ -112,6 +116,17 @@ class PatchEmbed(nn.Module):
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, self.proj.bias, "none", [], "")
             return out
         return F.linear(x, weight, self.proj.bias)
+
+    def _summed_weight(self) -> torch.Tensor:
+        """``[out, C*P*P]``: the kernel summed over time, summed again only when the weight changes.
+
+        Every call on stills needs it, and for a full-size tower it is megabytes to read.
+        """
+        weight = self.proj.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        if self._summed is None or self._summed[0] != key:
+            self._summed = (key, weight.detach().sum(dim=2).reshape(weight.shape[0], -1))
+        return self._summed[1]
 
 
 class VisionMLP(nn.Module):
@@ -163,8 +178,9 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame_len
     order, from row 0, padded with zeros to a static length; rows after the
     last frame are padding and come out as zeros. No work crosses frames. On
     an x86-64 CPU with AVX2 (or AVX-512), in float32, the native kernel
-    computes it (:mod:`.native`), elsewhere :func:`sdpa_frame_attention`. A custom op: compiled graphs keep
-    static shapes and call it as one opaque step, whatever the frames in a launch.
+    computes it (:mod:`.native`), elsewhere :func:`sdpa_frame_attention`. A
+    custom op: compiled graphs keep static shapes and call it as one opaque
+    step, whatever the frames in a launch.
     """
     kernel = native.kernel_for(q)
     if kernel is not None:
@@ -428,9 +444,10 @@ class VisionEncoder(nn.Module):
                 and all(t == 1 for t, _, _ in grids)):
             repeat = cfg.temporal_patch_size
         elif pixel_values.dim() != 2 or pixel_values.shape != (total, cfg.patch_dim):
+            stills = f", or ({total}, {still_dim}) for stills' rows of one frame" if cfg.temporal_patch_size > 1 else ""
             raise ValueError(
                 f"pixel_values shape {tuple(pixel_values.shape)} does not match grid_thw {grids}: "
-                f"expected ({total}, {cfg.patch_dim})"
+                f"expected ({total}, {cfg.patch_dim}){stills}"
             )
         for grid in grids:
             if grid[1] % cfg.spatial_merge_size or grid[2] % cfg.spatial_merge_size:
@@ -439,8 +456,8 @@ class VisionEncoder(nn.Module):
         index, weight, positions = frame_tables(frames, cfg.spatial_merge_size, cfg.num_grid_per_side)
         device = self.device
         return self.forward_frames(
-            self.embed_patches(pixel_values.to(device), repeat), index.to(device), weight.to(device), positions.to(device),
-            torch.tensor([h * w for h, w in frames], dtype=torch.int64))
+            self.embed_patches(pixel_values.to(device), repeat), index.to(device), weight.to(device),
+            positions.to(device), torch.tensor([h * w for h, w in frames], dtype=torch.int64))
 
 
 def _grid_list(grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,7 +161,7 @@ def test_build_refuses_an_isa_this_cpu_cannot_run(monkeypatch: pytest.MonkeyPatc
 def test_an_avx512_cpu_falls_back_to_the_avx2_build_then_to_sdpa(monkeypatch: pytest.MonkeyPatch,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     built: list[str | None] = []
-    avx2_module = object()
+    avx2_module = types.SimpleNamespace(isa=lambda: "avx2")
 
     def fake_build(directory: object = None, isa: str | None = None) -> object:
         built.append(isa)
@@ -173,6 +175,7 @@ def test_an_avx512_cpu_falls_back_to_the_avx2_build_then_to_sdpa(monkeypatch: py
     with caplog.at_level("WARNING", logger=native.__name__):
         assert native.prepare() is avx2_module
     assert built == ["avx512", "avx2"]
+    assert native.kernel_for(torch.empty(4, 2, 64)) is None  # the AVX2 build's head sizes now apply
     assert "the avx2 build of the native kernel" in caplog.text and "no compiler" in caplog.text
 
     def failing_build(directory: object = None, isa: str | None = None) -> object:

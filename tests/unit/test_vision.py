@@ -79,6 +79,12 @@ def test_stills_rows_of_one_frame_match_transformers_on_the_repeated_frame(tmp_p
     assert full.shape == (total, encoder.config.patch_dim)
     torch.testing.assert_close(encoder.embed(frames, grids), hf_rows(model, full, grids), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(encoder.embed(frames, grids), encoder.embed(full, grids), atol=1e-5, rtol=1e-5)
+    # the summed kernel follows the weights: new weights loaded in place are summed again
+    first = encoder.embed(frames, grids)
+    with torch.no_grad():
+        encoder.patch_embed.proj.weight.mul_(-0.5)
+    torch.testing.assert_close(encoder.embed(frames, grids), encoder.embed(full, grids), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(encoder.embed(frames, grids), first)
     with pytest.raises(ValueError, match="does not match grid_thw"):  # a video's grid wants full rows
         encoder.embed(frames[:32], [(2, 4, 4)])
     with pytest.raises(ValueError, match="repeat 3"):

@@ -75,6 +75,7 @@ class _State:
         self.mode = AttentionKernel.AUTO
         self.cache_dir: Path | None = None
         self.module: ModuleType | None = None
+        self.head_dims: frozenset[int] = frozenset()  # the loaded build's (HEAD_DIMS)
         self.tried = False
         self.lock = threading.Lock()
 
@@ -195,6 +196,7 @@ def prepare() -> ModuleType | None:
             except ConfigError as exc:
                 failures.append(str(exc))
                 continue
+            _state.head_dims = HEAD_DIMS[_state.module.isa()]
             if failures:
                 logger.warning("attention: the %s build of the native kernel, as the wider one is unavailable: %s",
                                isa, failures[0])
@@ -209,10 +211,8 @@ def kernel_for(q: torch.Tensor) -> ModuleType | None:
     """The kernel if it computes attention for ``q [rows, heads, head_dim]``, else ``None`` (use SDPA)."""
     if q.device.type != "cpu" or q.dtype != torch.float32:
         return None
-    if not _state.tried:
-        prepare()
-    module = _state.module
-    if module is None or q.shape[-1] not in HEAD_DIMS[module.isa()]:
+    module = _loaded()
+    if module is None or q.shape[-1] not in _state.head_dims:
         return None
     return module
 
@@ -224,6 +224,11 @@ def elementwise_kernel_for(x: torch.Tensor) -> ModuleType | None:
     """
     if x.device.type != "cpu" or x.dtype != torch.float32 or (x.requires_grad and torch.is_grad_enabled()):
         return None
+    return _loaded()
+
+
+def _loaded() -> ModuleType | None:
+    """The process's kernel, loaded (or built) on first use as the mode says."""
     if not _state.tried:
         prepare()
     return _state.module
