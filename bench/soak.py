@@ -37,7 +37,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ from encoder_server.preprocess import PreprocessConfig, Preprocessor  # noqa: E4
 from encoder_server.vision import load_encoder  # noqa: E402
 from prefill_client.client import EncoderCacheClient  # noqa: E402
 from prefill_client.encoder_conn import MediaSpec, content_key  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 
 logger = logging.getLogger("soak")
 
@@ -81,9 +81,7 @@ class Encoder:
     """The encoder process: started on a fixed port so a restart is the same target."""
 
     def __init__(self, transport: str, workdir: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self.port = free_port()  # below the ephemeral range: no client connection takes it while it is down
         self.transport, self.workdir = transport, workdir
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0

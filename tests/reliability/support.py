@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,12 +19,6 @@ from tests.support.scrape import scrape as shared_scrape
 MODEL = "tiny-qwen3-vl"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 _BACKGROUND = ThreadPoolExecutor(4, thread_name_prefix="start-encoder")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_encoder_soon(tmp_path: Path, *args: str, env: dict[str, str] | None = None,

@@ -37,7 +37,6 @@ from prefill_client.encoder_conn import MediaSpec
 from tests.reliability.support import (
     MODEL,
     SERVING,
-    free_port,
     freeze,
     health,
     process_state,
@@ -47,6 +46,7 @@ from tests.reliability.support import (
     wait_until,
 )
 from tests.support.media import image_bytes
+from tests.support.ports import free_port
 from tests.support.procs import EncoderProcess
 from tests.support.reference import Reference, matches
 from tests.transport_params import TRANSPORTS

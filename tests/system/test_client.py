@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 
@@ -14,18 +13,13 @@ from common.transport import PostInfo
 from prefill_client.client import EncoderCacheClient
 from prefill_client.encoder_conn import MediaSpec
 from tests.support.media import image_bytes, video_frames
+from tests.support.ports import free_port
 from tests.support.procs import start_encoder
 from tests.support.reference import Reference, matches
 from tests.transport_params import TRANSPORTS
 
 MODEL = "tiny-qwen3-vl"
 REF = Reference()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _encode_when_admitted(client: EncoderCacheClient, data: bytes) -> None:
@@ -168,7 +162,7 @@ def test_stalled_transfer_times_out_and_quarantines_the_landing_blocks(tmp_path)
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_restarted_producer_is_re_handshaken(tmp_path, transport) -> None:
-    port = _free_port()
+    port = free_port()
     args = ("--transport", transport, "--cache-blocks", "8", "--block-size", "64", "--port", str(port))
     enc = start_encoder(tmp_path, *args, name="first")
     img1, img2 = image_bytes(64, 64, seed=21), image_bytes(96, 64, seed=22)

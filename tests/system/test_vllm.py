@@ -22,6 +22,7 @@ from common.weights_digest import checkpoint_digest
 from prefill_client.client import EncoderCacheClient
 from prefill_client.encoder_conn import MediaSpec
 from tests.support.procs import EncoderProcess, start_encoder
+from tests.support.ports import free_port
 from tests.support.qwen3vl import noise_vision_copy, write_qwen3vl_checkpoint
 from tests.support.scrape import scrape
 from tests.support.vllm_stack import (
@@ -29,7 +30,6 @@ from tests.support.vllm_stack import (
     Server,
     chat_body,
     connector_config,
-    free_port,
     image_url,
     launch_vllm,
     start_proxy,
