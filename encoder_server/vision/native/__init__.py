@@ -89,6 +89,7 @@ def configure(mode: AttentionKernel | str = AttentionKernel.AUTO, cache_dir: str
         _state.mode = AttentionKernel(mode)
         _state.cache_dir = Path(cache_dir) / "native" if cache_dir is not None else None
         _state.module = None
+        _state.head_dims = frozenset()
         _state.tried = False
 
 
