@@ -76,54 +76,82 @@ inline __m512 exp2_512(__m512 y) {
   return _mm512_scalef_ps(p, n);
 }
 
+// x[0..15] -> one vector whose lane i is op over the lanes of x[i]: each step pairs vectors and
+// halves the lanes left to combine (distance 1, 2, 4, 8), so 15 steps of blend, blend, permute, op
+// take 16 horizontal reductions at once. The task's 16 rows' maxima and sums are reduced so, a lane
+// each, instead of one scalar reduction (and one scalar exp2) per row and tile.
+template <class Op>
+inline __m512 lanes_of_each(const __m512* x, Op op) {
+  __m512 a[8], b[4], c[2];
+  for (int k = 0; k < 8; ++k)
+    a[k] = op(_mm512_mask_blend_ps(0xAAAA, x[2 * k], x[2 * k + 1]),
+              _mm512_permute_ps(_mm512_mask_blend_ps(0xAAAA, x[2 * k + 1], x[2 * k]), 0xB1));
+  for (int k = 0; k < 4; ++k)
+    b[k] = op(_mm512_mask_blend_ps(0xCCCC, a[2 * k], a[2 * k + 1]),
+              _mm512_permute_ps(_mm512_mask_blend_ps(0xCCCC, a[2 * k + 1], a[2 * k]), 0x4E));
+  for (int k = 0; k < 2; ++k) {
+    const __m512 hi = _mm512_mask_blend_ps(0xF0F0, b[2 * k + 1], b[2 * k]);
+    c[k] = op(_mm512_mask_blend_ps(0xF0F0, b[2 * k], b[2 * k + 1]), _mm512_shuffle_f32x4(hi, hi, 0xB1));
+  }
+  const __m512 hi = _mm512_mask_blend_ps(0xFF00, c[1], c[0]);
+  return op(_mm512_mask_blend_ps(0xFF00, c[0], c[1]), _mm512_shuffle_f32x4(hi, hi, 0x4E));
+}
+
 // One task: rows [0, qn) of q (row stride qs) of one frame and head, against the frame's L keys.
 // kt: keys transposed, [D, ks] (column 0 = the frame's first key); v: [L, D] with row stride vs.
+// Each row's running maximum m and sum l live in one lane of a vector (lane i: row i).
 template <int NV>
 void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float* v, int64_t vs, int64_t L, int qn,
             float scale, float* out, int64_t os) {
+  static_assert(kQueryRows == 16 && kScoreRows == kQueryRows, "a lane per q row, one q.k block per task");
   constexpr int D = NV * 16;
   // q rows per pass of p.v: PR * NV accumulators in registers; a power of two, so passes tile the 16 rows.
   constexpr int PR = NV == 1 ? 16 : NV == 2 ? 8 : NV <= 4 ? 4 : 2;
   alignas(64) float S[kQueryRows][kKeyTile];
   alignas(64) float Q[kQueryRows][D];
+  alignas(64) float row_max[kQueryRows], row_corr[kQueryRows];
   __m512 O[kQueryRows][NV];
-  float m[kQueryRows], l[kQueryRows];
+  __m512 sums[kQueryRows];
   for (int i = 0; i < kQueryRows; ++i) {
     for (int d = 0; d < D; ++d) Q[i][d] = i < qn ? q[i * qs + d] * scale : 0.f;
     for (int c = 0; c < NV; ++c) O[i][c] = _mm512_setzero_ps();
-    m[i] = -INFINITY;
-    l[i] = 0.f;
   }
-  const int live_rows = (qn + kScoreRows - 1) / kScoreRows * kScoreRows;
+  const auto vmax = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
+  const auto vadd = [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); };
+  __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
   for (int64_t j0 = 0; j0 < L; j0 += kKeyTile) {
     const int kn = static_cast<int>(std::min<int64_t>(kKeyTile, L - j0));
     const int nv = (kn + 15) / 16;
     const __mmask16 tail = kn % 16 ? static_cast<__mmask16>((1u << (kn % 16)) - 1) : static_cast<__mmask16>(0xFFFF);
-    // scores S = q . k for kScoreRows rows x 16 keys at a time, and each row's maximum
+    // scores S = q . k for the 16 rows x 16 keys at a time, and each row's maximum over the tile
     __m512 rowmax[kQueryRows];
-    for (int i = 0; i < live_rows; ++i) rowmax[i] = _mm512_set1_ps(m[i]);
-    for (int i0 = 0; i0 < live_rows; i0 += kScoreRows) {
-      for (int jv = 0; jv < nv; ++jv) {
-        const __mmask16 mask = jv == nv - 1 ? tail : static_cast<__mmask16>(0xFFFF);
-        const float* kcol = kt + j0 + jv * 16;
-        __m512 a[kScoreRows];
-        for (int r = 0; r < kScoreRows; ++r) a[r] = _mm512_setzero_ps();
-        for (int d = 0; d < D; ++d) {
-          const __m512 kk = _mm512_maskz_loadu_ps(mask, kcol + d * ks);
-          for (int r = 0; r < kScoreRows; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(Q[i0 + r][d]), kk, a[r]);
-        }
-        for (int r = 0; r < kScoreRows; ++r) {
-          _mm512_store_ps(S[i0 + r] + jv * 16, a[r]);
-          rowmax[i0 + r] = _mm512_mask_max_ps(rowmax[i0 + r], mask, rowmax[i0 + r], a[r]);
-        }
+    for (int i = 0; i < kQueryRows; ++i) rowmax[i] = _mm512_set1_ps(-INFINITY);
+    for (int jv = 0; jv < nv; ++jv) {
+      const __mmask16 mask = jv == nv - 1 ? tail : static_cast<__mmask16>(0xFFFF);
+      const float* kcol = kt + j0 + jv * 16;
+      __m512 a[kScoreRows];
+      for (int r = 0; r < kScoreRows; ++r) a[r] = _mm512_setzero_ps();
+      for (int d = 0; d < D; ++d) {
+        const __m512 kk = _mm512_maskz_loadu_ps(mask, kcol + d * ks);
+        for (int r = 0; r < kScoreRows; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(Q[r][d]), kk, a[r]);
+      }
+      for (int r = 0; r < kScoreRows; ++r) {
+        _mm512_store_ps(S[r] + jv * 16, a[r]);
+        rowmax[r] = _mm512_mask_max_ps(rowmax[r], mask, rowmax[r], a[r]);
       }
     }
-    // online softmax over this tile of keys; lanes past the last key are zeroed
+    // online softmax over this tile of keys, the 16 rows' maxima and old weights a lane each; the
+    // max with -200 keeps -inf - x (the first tile) from a NaN, and 2^-200 is 0 to the sums
+    const __m512 mnew = _mm512_max_ps(m, lanes_of_each(rowmax, vmax));
+    const __m512 corr = exp2_512(_mm512_max_ps(_mm512_sub_ps(m, mnew), _mm512_set1_ps(-200.f)));
+    _mm512_store_ps(row_max, mnew);
+    _mm512_store_ps(row_corr, corr);
+    m = mnew;
+    // lanes past the last key are zeroed
     const int full = kn / 16;
     for (int i = 0; i < qn; ++i) {
       float* s = S[i];
-      const float mnew = _mm512_reduce_max_ps(rowmax[i]);
-      const __m512 mv = _mm512_set1_ps(mnew);
+      const __m512 mv = _mm512_set1_ps(row_max[i]);
       __m512 sum = _mm512_setzero_ps();
       for (int jv = 0; jv < full; ++jv) {
         const __m512 e = exp2_512(_mm512_sub_ps(_mm512_load_ps(s + jv * 16), mv));
@@ -135,12 +163,12 @@ void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float
         _mm512_store_ps(s + full * 16, e);
         sum = _mm512_add_ps(sum, e);
       }
-      const float corr = std::exp2(m[i] - mnew);
-      l[i] = l[i] * corr + _mm512_reduce_add_ps(sum);
-      m[i] = mnew;
-      const __m512 cv = _mm512_set1_ps(corr);
+      sums[i] = sum;
+      const __m512 cv = _mm512_set1_ps(row_corr[i]);
       for (int c = 0; c < NV; ++c) O[i][c] = _mm512_mul_ps(O[i][c], cv);
     }
+    for (int i = qn; i < kQueryRows; ++i) sums[i] = _mm512_setzero_ps();
+    l = _mm512_fmadd_ps(l, corr, lanes_of_each(sums, vadd));
     // O += p . v, PR rows at a time, each key's row of v loaded once per pass
     for (int i0 = 0; i0 < qn; i0 += PR) {
       const int rows = std::min(PR, qn - i0);
@@ -158,9 +186,11 @@ void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float
         for (int c = 0; c < NV; ++c) O[i0 + r][c] = acc[r][c];
     }
   }
+  alignas(64) float inv[kQueryRows];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
   for (int i = 0; i < qn; ++i) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[i]);
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + i * os + c * 16, _mm512_mul_ps(O[i][c], inv));
+    const __m512 iv = _mm512_set1_ps(inv[i]);
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + i * os + c * 16, _mm512_mul_ps(O[i][c], iv));
   }
 }
 
