@@ -84,6 +84,27 @@ def test_kernel_keeps_large_score_ranges_finite(isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("order", ["rising", "falling"])
+def test_kernel_is_exact_when_the_best_key_comes_last_or_first(isa: str, order: str) -> None:
+    # Scores that rise (or fall) steadily along the frame's keys, over about 300 in base 2: a row's
+    # best key is its last (or first) one. Where the kernel offsets scores by a score it has seen
+    # rather than the running maximum, rising scores make it move that offset again and again.
+    kernel = _kernel(isa)
+    generator = torch.Generator().manual_seed(2)
+    length, heads, dim = 600, 2, 16
+    direction = torch.randn(dim, generator=generator)
+    direction = direction / direction.norm()
+    ramp = torch.linspace(-1.0, 1.0, length) if order == "rising" else torch.linspace(1.0, -1.0, length)
+    k = (ramp[:, None] * direction * 20 + 0.3 * torch.randn(length, dim, generator=generator))
+    q = direction * 20 + 0.3 * torch.randn(length, dim, generator=generator)
+    v = torch.randn(length, heads, dim, generator=generator)
+    q, k = (x[:, None, :].expand(length, heads, dim).contiguous() for x in (q, k))
+    out, ours, theirs, _ = _errors(kernel, q, k, v, torch.tensor([length]))
+    assert torch.isfinite(out).all()
+    assert ours <= 3 * theirs + 1e-6, (ours, theirs)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_kernel_refuses_inputs_it_was_not_written_for(isa: str) -> None:
     kernel = _kernel(isa)
     q = torch.randn(8, 1, 16)

@@ -11,7 +11,8 @@
 // time around them (score blocks written and re-read through memory between its GEMM calls,
 // per-call set-up for every frame). Here a task is 16 (AVX-512) or 12 (AVX2) query rows of one
 // frame and head: their scores for a tile of 256 keys stay in L1, the softmax runs online over
-// the tiles, and the running output stays in registers (AVX-512) or in L1 (AVX2). Tasks are
+// the tiles, and the running output stays in registers (AVX-512) or in L1 (AVX2). AVX-512 heads
+// of 16 have a kernel of their own (attend_row_lanes: a lane per query row, no score tile). Tasks are
 // split between threads by their cost (keys x rows), not their count, since one large frame
 // costs as much as many small ones.
 //
@@ -194,9 +195,79 @@ void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float
   }
 }
 
+// Heads of 16, a lane per query row. Lane i of every vector is q row i: the 16 rows' scores for one
+// key are one vector, a chain of 16 FMAs (q transposed, each key's values broadcast), and the 16
+// output columns are 16 accumulators, each key's weights times its v value broadcast. The scores
+// never go through memory and no row needs a horizontal reduction: for head_dim 16 this ran 1.18-1.23x
+// attend<1> above (lanes over keys, which it replaced there; one layer of the bench's frames, paired).
+//
+// The offset subtracted from a row's scores (M) is not its running maximum but one of its real
+// scores, first the frame's first key's, moved up only when a block of keys scores more than
+// kSlack above it (base-2 units), with the sums and outputs rescaled then. So every weight is at
+// most 2^kSlack (no overflow), the weight of the key M came from is 1 (the sum is never below 1, so
+// nothing that matters underflows), and the result is the same softmax as with the exact maximum.
+constexpr float kSlack = 24.f;
+constexpr int kRowKeys = 8;  // keys per step: 8 score chains in flight (4 ran 1.1x slower)
+
+template <int N>
+inline void row_lane_step(const float (&qt)[16][16], const float* k, int64_t ks, const float* v, int64_t vs,
+                          __m512& neg_m, __m512& l, __m512 (&o)[16]) {
+  __m512 s[N];
+  for (int t = 0; t < N; ++t) s[t] = neg_m;
+#pragma GCC unroll 16
+  for (int d = 0; d < 16; ++d) {
+    const __m512 qd = _mm512_load_ps(qt[d]);
+    for (int t = 0; t < N; ++t) s[t] = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[t * ks + d]), s[t]);
+  }
+  __m512 top = s[0];
+  for (int t = 1; t < N; ++t) top = _mm512_max_ps(top, s[t]);
+  if (__builtin_expect(_mm512_cmp_ps_mask(top, _mm512_set1_ps(kSlack), _CMP_GT_OQ) != 0, 0)) {
+    // rows scoring above M + kSlack move M up to this block's best score
+    const __m512 up = _mm512_max_ps(top, _mm512_setzero_ps());
+    const __m512 corr = exp2_512(_mm512_sub_ps(_mm512_setzero_ps(), up));
+    l = _mm512_mul_ps(l, corr);
+    for (int d = 0; d < 16; ++d) o[d] = _mm512_mul_ps(o[d], corr);
+    for (int t = 0; t < N; ++t) s[t] = _mm512_sub_ps(s[t], up);
+    neg_m = _mm512_sub_ps(neg_m, up);
+  }
+  // the step's weights summed first, then added to the row sums: one running sum over every key of a
+  // 2,048-patch frame lost up to 7x SDPA's accuracy (tests/unit/test_native_attention.py)
+  for (int t = 0; t < N; ++t) s[t] = exp2_512(s[t]);
+  __m512 step_sum = s[0];
+  for (int t = 1; t < N; ++t) step_sum = _mm512_add_ps(step_sum, s[t]);
+  l = _mm512_add_ps(l, step_sum);
+  for (int t = 0; t < N; ++t)
+#pragma GCC unroll 16
+    for (int d = 0; d < 16; ++d) o[d] = _mm512_fmadd_ps(s[t], _mm512_set1_ps(v[t * vs + d]), o[d]);
+}
+
+// One task as attend, but k is the frame's keys by row ([L, 16], row stride ks), not transposed.
+void attend_row_lanes(const float* q, int64_t qs, const float* k, int64_t ks, const float* v, int64_t vs, int64_t L,
+                      int qn, float scale, float* out, int64_t os) {
+  alignas(64) float qt[16][16];  // q transposed and scaled: qt[d][i] = q[i][d] * scale
+  for (int d = 0; d < 16; ++d)
+    for (int r = 0; r < 16; ++r) qt[d][r] = r < qn ? q[r * qs + d] * scale : 0.f;
+  __m512 o[16];
+  __m512 first = _mm512_setzero_ps();
+  for (int d = 0; d < 16; ++d) {
+    o[d] = _mm512_setzero_ps();
+    first = _mm512_fmadd_ps(_mm512_load_ps(qt[d]), _mm512_set1_ps(k[d]), first);
+  }
+  __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), first), l = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + kRowKeys <= L; j += kRowKeys) row_lane_step<kRowKeys>(qt, k + j * ks, ks, v + j * vs, vs, neg_m, l, o);
+  for (; j < L; ++j) row_lane_step<1>(qt, k + j * ks, ks, v + j * vs, vs, neg_m, l, o);
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+  for (int d = 0; d < 16; ++d) _mm512_store_ps(qt[d], _mm512_mul_ps(o[d], inv));  // q is done with
+  for (int r = 0; r < qn; ++r)
+    for (int d = 0; d < 16; ++d) out[r * os + d] = qt[d][r];
+}
+
+bool keys_by_row(int64_t head_dim) { return head_dim == 16; }
+
 AttendFn attend_for(int64_t head_dim) {
   switch (head_dim) {
-    case 16: return attend<1>;
+    case 16: return attend_row_lanes;
     case 32: return attend<2>;
     case 48: return attend<3>;
     case 64: return attend<4>;
@@ -359,6 +430,8 @@ void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float
   }
 }
 
+bool keys_by_row(int64_t) { return false; }
+
 // Up to 48: from 64 up, with the output in L1 and a pass over the scores per 16 columns, torch's
 // SDPA was as fast or faster on the development host.
 AttendFn attend_for(int64_t head_dim) {
@@ -404,9 +477,11 @@ torch::Tensor frame_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   if (used == 0) return out;
   // Per head, keys transposed: kt[h][d][j] = k[j][h][d], so that a vector load takes 16 keys' values at one d.
   // Packed in tiles of 64 rows (their keys stay in L1 while every head and dim is written), in parallel.
-  // Values are read where they lie, one row of head_dim at a time.
-  const auto kt = torch::empty({heads, dim, used}, q.options());
-  {
+  // Values are read where they lie, one row of head_dim at a time; so are the keys where the kernel
+  // takes them by row (keys_by_row).
+  const bool by_row = keys_by_row(dim);
+  const auto kt = by_row ? torch::Tensor() : torch::empty({heads, dim, used}, q.options());
+  if (!by_row) {
     const float* kp = k.data_ptr<float>();
     float* tp = kt.data_ptr<float>();
     const int64_t krs = k.stride(0), khs = k.stride(1);
@@ -434,7 +509,12 @@ torch::Tensor frame_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
       }
   const float scale = 1.4426950408889634f / std::sqrt(static_cast<float>(dim));  // log2(e) / sqrt(d)
   const float* qp = q.data_ptr<float>();
-  const float* ktp = kt.data_ptr<float>();
+  const float* ktp = by_row ? k.data_ptr<float>() : kt.data_ptr<float>();
+  // where task (frame start, head) finds its keys, and the stride between them
+  const int64_t key_stride = by_row ? k.stride(0) : used;
+  auto keys_at = [&](int64_t start, int64_t head) {
+    return by_row ? ktp + start * k.stride(0) + head * k.stride(1) : ktp + head * dim * used + start;
+  };
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t qrs = q.stride(0), qhs = q.stride(1), vrs = v.stride(0), vhs = v.stride(1);
@@ -448,7 +528,7 @@ torch::Tensor frame_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
       const Task& task = tasks[t];
       const int64_t start = starts[task.frame], size = sizes[task.frame];
       const int qn = static_cast<int>(std::min<int64_t>(kQueryRows, size - task.first));
-      fn(qp + (start + task.first) * qrs + task.head * qhs, qrs, ktp + task.head * dim * used + start, used,
+      fn(qp + (start + task.first) * qrs + task.head * qhs, qrs, keys_at(start, task.head), key_stride,
          vp + start * vrs + task.head * vhs, vrs, size, qn, scale,
          op + ((start + task.first) * heads + task.head) * dim, heads * dim);
     }
