@@ -66,6 +66,19 @@ def test_embed_matches_transformers(tmp_path: Path, prefix: str) -> None:
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_embed_matches_transformers_with_heads_of_72(tmp_path: Path) -> None:
+    # Qwen3-VL's larger towers (hidden 1152, 16 heads) have heads of 72: not a whole number of
+    # 16-lane vectors, so the native kernel's last vector is masked (SDPA where the kernel is absent).
+    config, model = hf_model(hidden_size=144, num_heads=2)
+    save_checkpoint(tmp_path, config, model)
+    encoder = load_encoder(str(tmp_path))
+    assert encoder.config.hidden_size // encoder.config.num_heads == 72
+    total = int(GRIDS.prod(-1).sum())
+    pixel_values = torch.randn(total, encoder.config.patch_dim, generator=torch.Generator().manual_seed(6))
+    ours = encoder.embed(pixel_values, GRIDS)
+    torch.testing.assert_close(ours, hf_rows(model, pixel_values, GRIDS), atol=1e-5, rtol=1e-5)
+
+
 def test_stills_rows_of_one_frame_match_transformers_on_the_repeated_frame(tmp_path: Path) -> None:
     # Images as the preprocessing hands them over (ProcessedItem.repeat 2: each patch once, half the
     # width) give transformers' rows for the Hugging Face input, which repeats the frame.

@@ -58,7 +58,7 @@ _ISAS_FOR_CAPABILITY: dict[str, tuple[str, ...]] = {"AMX": ("avx512", "avx2"), "
                                                     "AVX2": ("avx2",)}
 # Each build's head sizes (attend_for in the source). The AVX2 build stops at 48: from 64 up torch's
 # SDPA was as fast or faster on the development host (BENCHMARKS.md, "An AVX2 build").
-HEAD_DIMS: dict[str, frozenset[int]] = {"avx512": frozenset({16, 32, 48, 64, 80, 96, 128}),
+HEAD_DIMS: dict[str, frozenset[int]] = {"avx512": frozenset({16, 32, 48, 64, 72, 80, 96, 128}),
                                         "avx2": frozenset({16, 32, 48})}
 
 
