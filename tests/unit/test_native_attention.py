@@ -86,7 +86,7 @@ def test_kernel_keeps_large_score_ranges_finite(isa: str) -> None:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("order", ["rising", "falling"])
 def test_kernel_is_exact_when_the_best_key_comes_last_or_first(isa: str, order: str) -> None:
-    # Scores that rise (or fall) steadily along the frame's keys, over about 300 in base 2: a row's
+    # Scores that rise (or fall) steadily along the frame's keys, over about 290 in base 2: a row's
     # best key is its last (or first) one. Where the kernel offsets scores by a score it has seen
     # rather than the running maximum, rising scores make it move that offset again and again.
     kernel = _kernel(isa)

@@ -60,11 +60,12 @@ constexpr int kQueryRows = 16;   // rows of q per task
 constexpr int kKeyTile = 256;    // keys per online-softmax step
 constexpr int kScoreRows = 16;   // q rows sharing each key load in q.k (16 accumulators: 8 ran 3-5 % slower)
 
-// 2^y for y <= 0. Scores are kept in base-2 units (q is pre-scaled by log2(e) / sqrt(d)), so
-// exp(x - max) is 2^(y - max): n = round(y), f = y - n in [-1/2, 1/2] exactly, 2^f by a degree-5
-// polynomial fitted for relative error (1.9e-7 in float32, about two ulp; degree 6 gave 1.0e-7 and
-// cost one more FMA per 16 scores), then scaled by 2^n. y is finite here (a score minus its row's
-// maximum), so no clamp: scalef gives 0 for an n far below the smallest float.
+// 2^y for finite y: y <= 0 in attend, y <= kSlack (below) in attend_row_lanes. Scores are
+// kept in base-2 units (q is pre-scaled by log2(e) / sqrt(d)), so exp(x - max) is 2^(y - max):
+// n = round(y), f = y - n in [-1/2, 1/2] exactly, 2^f by a degree-5 polynomial fitted for relative
+// error (1.9e-7 in float32, about two ulp; degree 6 gave 1.0e-7 and cost one more FMA per 16
+// scores), then scaled by 2^n. y is finite here (a score minus a row's offset), so no clamp: scalef
+// gives 0 for an n far below the smallest float.
 inline __m512 exp2_512(__m512 y) {
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
@@ -107,11 +108,13 @@ void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float
             float scale, float* out, int64_t os) {
   static_assert(kQueryRows == 16 && kScoreRows == kQueryRows, "a lane per q row, one q.k block per task");
   constexpr int NV = (D + 15) / 16;
-  const __mmask16 last = D % 16 ? static_cast<__mmask16>((1u << (D % 16)) - 1) : static_cast<__mmask16>(0xFFFF);
-  const auto cols = [last](int c) { return c == NV - 1 ? last : static_cast<__mmask16>(0xFFFF); };
+  static_assert(NV >= 2, "heads of 16 go to attend_row_lanes");
+  // the columns of output vector c: all 16, but for the last vector of a head size like 72
+  constexpr __mmask16 kLast = D % 16 ? static_cast<__mmask16>((1u << (D % 16)) - 1) : static_cast<__mmask16>(0xFFFF);
+  const auto cols = [](int c) { return c == NV - 1 ? kLast : static_cast<__mmask16>(0xFFFF); };
   // q rows per pass of p.v: PR * NV accumulators in registers; a power of two, so passes tile the 16 rows.
   // Five vectors (72, 80) take 4 rows, 20 accumulators: 1.19-1.22x faster than 2 rows, paired; six gained nothing.
-  constexpr int PR = NV == 1 ? 16 : NV == 2 ? 8 : NV <= 5 ? 4 : 2;
+  constexpr int PR = NV == 2 ? 8 : NV <= 5 ? 4 : 2;
   alignas(64) float S[kQueryRows][kKeyTile];
   alignas(64) float Q[kQueryRows][D];
   alignas(64) float row_max[kQueryRows], row_corr[kQueryRows];
@@ -203,15 +206,15 @@ void attend(const float* q, int64_t qs, const float* kt, int64_t ks, const float
 // key are one vector, a chain of 16 FMAs (q transposed, each key's values broadcast), and the 16
 // output columns are 16 accumulators, each key's weights times its v value broadcast. The scores
 // never go through memory and no row needs a horizontal reduction: for head_dim 16 this ran 1.18-1.23x
-// attend<16> above (lanes over keys, which it replaced there; one layer of the bench's frames, paired).
+// the lanes-over-keys attend, which took heads of 16 before (one layer of the bench's frames, paired).
 //
 // The offset subtracted from a row's scores (M) is not its running maximum but one of its real
-// scores, first the frame's first key's, moved up only when a block of keys scores more than
+// scores, first the frame's first key's, moved up only when a step of keys scores more than
 // kSlack above it (base-2 units), with the sums and outputs rescaled then. So every weight is at
 // most 2^kSlack (no overflow), the weight of the key M came from is 1 (the sum is never below 1, so
 // nothing that matters underflows), and the result is the same softmax as with the exact maximum.
 constexpr float kSlack = 24.f;
-constexpr int kRowKeys = 8;  // keys per step: 8 score chains in flight (4 ran 1.1x slower)
+constexpr int kRowKeys = 8;  // keys per step: 8 score chains in flight (4 ran 1.11x slower)
 
 template <int N>
 inline void row_lane_step(const float (&qt)[16][16], const float* k, int64_t ks, const float* v, int64_t vs,
@@ -234,8 +237,8 @@ inline void row_lane_step(const float (&qt)[16][16], const float* k, int64_t ks,
     for (int t = 0; t < N; ++t) s[t] = _mm512_sub_ps(s[t], up);
     neg_m = _mm512_sub_ps(neg_m, up);
   }
-  // the step's weights summed first, then added to the row sums: one running sum over every key of a
-  // 2,048-patch frame lost up to 7x SDPA's accuracy (tests/unit/test_native_attention.py)
+  // the step's weights summed first, then added to the row sums: with one running sum over every key
+  // of a 2,048-patch frame the error was 6-7x SDPA's (tests/unit/test_native_attention.py)
   for (int t = 0; t < N; ++t) s[t] = exp2_512(s[t]);
   __m512 step_sum = s[0];
   for (int t = 1; t < N; ++t) step_sum = _mm512_add_ps(step_sum, s[t]);
@@ -514,12 +517,11 @@ torch::Tensor frame_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
       }
   const float scale = 1.4426950408889634f / std::sqrt(static_cast<float>(dim));  // log2(e) / sqrt(d)
   const float* qp = q.data_ptr<float>();
+  // the keys the kernel reads: k itself by row, or kt; key j of head h at j * key_step + h * key_head,
+  // and the stride the kernel is given (between keys by row, between dims in kt)
   const float* ktp = by_row ? k.data_ptr<float>() : kt.data_ptr<float>();
-  // where task (frame start, head) finds its keys, and the stride between them
+  const int64_t key_step = by_row ? k.stride(0) : 1, key_head = by_row ? k.stride(1) : dim * used;
   const int64_t key_stride = by_row ? k.stride(0) : used;
-  auto keys_at = [&](int64_t start, int64_t head) {
-    return by_row ? ktp + start * k.stride(0) + head * k.stride(1) : ktp + head * dim * used + start;
-  };
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t qrs = q.stride(0), qhs = q.stride(1), vrs = v.stride(0), vhs = v.stride(1);
@@ -533,8 +535,8 @@ torch::Tensor frame_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
       const Task& task = tasks[t];
       const int64_t start = starts[task.frame], size = sizes[task.frame];
       const int qn = static_cast<int>(std::min<int64_t>(kQueryRows, size - task.first));
-      fn(qp + (start + task.first) * qrs + task.head * qhs, qrs, keys_at(start, task.head), key_stride,
-         vp + start * vrs + task.head * vhs, vrs, size, qn, scale,
+      fn(qp + (start + task.first) * qrs + task.head * qhs, qrs, ktp + start * key_step + task.head * key_head,
+         key_stride, vp + start * vrs + task.head * vhs, vrs, size, qn, scale,
          op + ((start + task.first) * heads + task.head) * dim, heads * dim);
     }
   });
