@@ -140,7 +140,7 @@ class EncoderMetrics(InputProcessorMetrics):
             EPD_LEASES_EXPIRED, "Leases that expired without a release", registry=r)
         self.leases_dropped = Counter(
             EPD_LEASES_DROPPED, "Leases of answers that could not reach their caller (deadline passed, "
-            "call cancelled), given back at once", registry=r)
+            "call cancelled, or the caller gave the call up by its call_id), given back at once", registry=r)
         # Load: what an autoscaler scales the encoders on (deploy/components/autoscaling/).
         self.queue_tokens = Gauge(
             EPD_QUEUE_TOKENS, "Merged tokens of cache misses waiting for or in an encoder run",

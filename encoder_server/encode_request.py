@@ -7,7 +7,7 @@ receive them. :func:`parse_encode_request` reads the common shape itself and
 hands out ``memoryview`` slices of the received bytes instead; only items that
 must be decoded are copied later.
 
-The fast path accepts a strict subset of the wire format: the request's four
+The fast path accepts a strict subset of the wire format: the request's five
 fields (strings at most once each, valid UTF-8) and image items (an image and
 a uuid, at most once each). Anything else (videos, unknown or repeated
 fields, other wire types, truncation, bad UTF-8) goes to protobuf's own
@@ -42,12 +42,13 @@ class EncodeView:
     consumer_id: str
     incarnation_id: str
     items: list[ItemView]
+    call_id: str = ""
 
 
 _LEN = 2  # wire type of length-delimited fields
 _REQUEST_STRINGS = {
     pb2.EncodeRequest.DESCRIPTOR.fields_by_name[name].number: name
-    for name in ("model_id", "consumer_id", "incarnation_id")
+    for name in ("model_id", "consumer_id", "incarnation_id", "call_id")
 }
 _ITEMS = pb2.EncodeRequest.DESCRIPTOR.fields_by_name["items"].number
 _IMAGE = pb2.MediaItem.DESCRIPTOR.fields_by_name["image"].number
@@ -70,7 +71,7 @@ def from_message(msg: pb2.EncodeRequest) -> EncodeView:
             items.append(ItemView(kind, tuple(item.video.frames), item.video.fps, item.uuid))
         else:
             items.append(ItemView("", (), 0.0, item.uuid))
-    return EncodeView(msg.model_id, msg.consumer_id, msg.incarnation_id, items)
+    return EncodeView(msg.model_id, msg.consumer_id, msg.incarnation_id, items, msg.call_id)
 
 
 class _Unsupported(Exception):
@@ -141,7 +142,7 @@ def _fast(buf: memoryview) -> EncodeView | None:
     except _Unsupported:
         return None
     return EncodeView(strings.get("model_id", ""), strings.get("consumer_id", ""),
-                      strings.get("incarnation_id", ""), items)
+                      strings.get("incarnation_id", ""), items, strings.get("call_id", ""))
 
 
 __all__ = ["DecodeError", "EncodeView", "ItemView", "from_message", "parse_encode_request"]

@@ -34,6 +34,7 @@ from common.layout import CacheLayout, dtype_name
 from common.media import PreprocessParams
 from common.metrics import EncoderMetrics
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc
+from encoder_server.call_leases import MAX_CALL_ID_CHARS, CallLeases
 from encoder_server.encode_request import EncodeView, ItemView
 from encoder_server.engine import EncoderEngine, Failed, Located, MediaInput
 from encoder_server.gate import Context, MalformedRequest, abort_call
@@ -143,6 +144,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         self.max_video_frames = max_video_frames
         self.compatibility_hash = layout.compatibility_hash(model_id, PROTOCOL_VERSION)
         self.draining = False
+        self.calls = CallLeases(lease_ttl_ms / 1000.0)
 
     # --- checks ----------------------------------------------------------------------
 
@@ -166,9 +168,9 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
                 raise HandshakeError(f"layout mismatch on {name}: encoder has {have}, consumer expects {want}")
 
     @staticmethod
-    def _check_label(kind: str, value: str) -> None:
-        if len(value) > MAX_LABEL_CHARS:
-            raise InvalidRequestError(f"{kind} is {len(value)} characters; at most {MAX_LABEL_CHARS}")
+    def _check_label(kind: str, value: str, limit: int = MAX_LABEL_CHARS) -> None:
+        if len(value) > limit:
+            raise InvalidRequestError(f"{kind} is {len(value)} characters; at most {limit}")
 
     # --- handlers --------------------------------------------------------------------
 
@@ -199,6 +201,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         self._check_model(request.model_id)
         self._check_incarnation(request.incarnation_id)
         self._check_label("consumer_id", request.consumer_id)
+        self._check_label("call_id", request.call_id, MAX_CALL_ID_CHARS)
         self._refuse_if_draining()
         if not request.items:
             raise InvalidRequestError("Encode needs at least one item")
@@ -207,7 +210,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
                 f"request has {len(request.items)} items; this encoder accepts at most {self.max_items}")
         media = [self._media(i, item) for i, item in enumerate(request.items)]
         results = await self.engine.encode(media, request.consumer_id, timeout=context.time_remaining())
-        self._deliver_or_drop(context, results, request.consumer_id)
+        self._deliver_or_drop(context, results, request.consumer_id, request.call_id)
         return pb2.EncodeResponse(
             results=[self._result(item.uuid, r) for item, r in zip(request.items, results)],
             incarnation_id=self.incarnation_id)
@@ -217,6 +220,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         self._check_model(request.model_id)
         self._check_incarnation(request.incarnation_id)
         self._check_label("consumer_id", request.consumer_id)
+        self._check_label("call_id", request.call_id, MAX_CALL_ID_CHARS)
         self._refuse_if_draining()
         if len(request.mm_hashes) > MAX_LOOKUPS_PER_REQUEST:
             raise LimitExceededError(
@@ -225,7 +229,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
             if not _MM_HASH.match(h):
                 raise InvalidRequestError(f"mm_hash {h[:80]!r} is not 32 lowercase hex digits")
         results = self.engine.lookup(list(request.mm_hashes), request.consumer_id)
-        self._deliver_or_drop(context, results, request.consumer_id)
+        self._deliver_or_drop(context, results, request.consumer_id, request.call_id)
         return pb2.LookupResponse(
             results=[self._result("", r) for r in results], incarnation_id=self.incarnation_id)
 
@@ -235,13 +239,23 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         if len(request.lease_ids) > MAX_RELEASES_PER_REQUEST:
             raise LimitExceededError(
                 f"request releases {len(request.lease_ids)} leases; at most {MAX_RELEASES_PER_REQUEST}")
-        released = self.engine.release(list(request.lease_ids), request.consumer_id)
+        if len(request.call_ids) > MAX_RELEASES_PER_REQUEST:
+            raise LimitExceededError(
+                f"request gives up {len(request.call_ids)} calls; at most {MAX_RELEASES_PER_REQUEST}")
+        for call_id in request.call_ids:
+            self._check_label("call_id", call_id, MAX_CALL_ID_CHARS)
+        lease_ids = list(request.lease_ids)
+        self.calls.released(lease_ids)
+        released = self.engine.release(lease_ids, request.consumer_id)
+        for call_id in request.call_ids:
+            if call_id:
+                released += self._drop(self.calls.abandon(request.consumer_id, call_id), request.consumer_id)
         return pb2.ReleaseResponse(released=released)
 
     # --- delivery --------------------------------------------------------------------
 
     def _deliver_or_drop(
-        self, context: Context, results: list[Located | Failed], consumer_id: str
+        self, context: Context, results: list[Located | Failed], consumer_id: str, call_id: str
     ) -> None:
         """Leave no lease behind in an answer its caller will never read.
 
@@ -253,10 +267,20 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         ended past (or within the margin of) its deadline. Releasing a lease
         whose answer did arrive costs nothing in safety (the consumer's stamp
         READ still proves the data); it only stops pinning the item.
+
+        Neither window can be closed by a clock here: the caller's deadline
+        passes first by however long its request took to be read. So a call
+        with a ``call_id`` is remembered with its leases (:mod:`.call_leases`):
+        a caller that gave up releases it by that id, and an answer its caller
+        gave up on before it was ready is dropped here.
         """
         lease_ids = [r.lease.lease_id for r in results if isinstance(r, Located)]
+        wanted = self.calls.answered(consumer_id, call_id, lease_ids) if call_id else True
         if not lease_ids:
             return
+        if not wanted:
+            self._drop(lease_ids, consumer_id)
+            raise asyncio.TimeoutError
         remaining = context.time_remaining()
         if remaining is not None and remaining < ANSWER_MARGIN_S:
             self._drop(lease_ids, consumer_id)
@@ -272,11 +296,15 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         # types-grpcio declares the callback type as a class, not a protocol: no function matches it.
         context.add_done_callback(after)  # type: ignore[arg-type]
 
-    def _drop(self, lease_ids: list[int], consumer_id: str) -> None:
+    def _drop(self, lease_ids: list[int], consumer_id: str) -> int:
+        if not lease_ids:
+            return 0
+        self.calls.released(lease_ids)
         dropped = self.engine.release(lease_ids, consumer_id)
         if dropped:
             self.metrics.leases_dropped.inc(dropped)
-            logger.info("dropped %d leases of an answer %r could not receive in time", dropped, consumer_id)
+            logger.info("dropped %d leases of an answer %r did not receive in time", dropped, consumer_id)
+        return dropped
 
     # --- conversion ------------------------------------------------------------------
 

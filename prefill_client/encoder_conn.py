@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -103,7 +104,8 @@ _IMAGE_FIELD = pb2.MediaItem.DESCRIPTOR.fields_by_name["image"].number
 _UUID_FIELD = pb2.MediaItem.DESCRIPTOR.fields_by_name["uuid"].number
 
 
-def encode_request_bytes(model_id: str, consumer_id: str, incarnation_id: str, items: Sequence[MediaSpec]) -> bytes:
+def encode_request_bytes(model_id: str, consumer_id: str, incarnation_id: str, items: Sequence[MediaSpec],
+                         call_id: str = "") -> bytes:
     """An ``EncodeRequest`` in protobuf wire format, each image's bytes copied once.
 
     Built through protobuf, every image is copied into the message and again
@@ -113,7 +115,8 @@ def encode_request_bytes(model_id: str, consumer_id: str, incarnation_id: str, i
     item is framed here (videos go through protobuf). A test checks the bytes
     parse to exactly the message protobuf would build.
     """
-    head = pb2.EncodeRequest(model_id=model_id, consumer_id=consumer_id, incarnation_id=incarnation_id)
+    head = pb2.EncodeRequest(model_id=model_id, consumer_id=consumer_id, incarnation_id=incarnation_id,
+                             call_id=call_id)
     parts = [head.SerializeToString()]
     for item in items:
         if item.kind == "image":
@@ -205,6 +208,8 @@ class EncoderConnection:
         self._lock = threading.Lock()
         self._release_lock = threading.Lock()  # not _lock: that one is held across a handshake
         self._releases: set[grpc.Future[pb2.ReleaseResponse]] = set()
+        self._call_prefix = secrets.token_hex(8)  # call ids: unique per connection object, never reused
+        self._calls = 0
         self._peer: ProducerPeer | None = None
         self.incarnation_id = ""
         self._layout: CacheLayout | None = None
@@ -292,15 +297,25 @@ class EncoderConnection:
 
     # --- RPCs --------------------------------------------------------------------------------
 
-    def _call(self, rpc: Callable[..., Any], build: Callable[[str], object]) -> Any:
-        """One RPC against the current incarnation (``build(incarnation_id)`` makes the request);
-        a changed incarnation re-handshakes once."""
+    def _call(self, rpc: Callable[..., Any], build: Callable[[str, str], object]) -> Any:
+        """One RPC against the current incarnation (``build(incarnation_id, call_id)`` makes the
+        request); a changed incarnation re-handshakes once.
+
+        Each attempt gets a fresh ``call_id``. When its deadline passes, the encoder may have
+        answered anyway (its clock runs behind ours by the request's way there), with leases
+        nobody would release by id: the call is given up by its id (:meth:`abandon`), which
+        releases them, or refuses the answer if it is still to come. (A connection that broke
+        needs no such care: an encoder that is gone took its leases with it.)
+        """
         for attempt in range(2):
             self.peer()
-            request = build(self.incarnation_id)
+            call_id = self._new_call_id()
+            request = build(self.incarnation_id, call_id)
             try:
                 resp = rpc(request, timeout=self.rpc_timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self.abandon([call_id])
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "incarnation" in (exc.details() or ""):
                     self.reset()
                     continue
@@ -309,14 +324,15 @@ class EncoderConnection:
                     raise err from exc
                 raise
             if resp.incarnation_id != self.incarnation_id:
+                self.abandon([call_id])  # leases of another incarnation than we will pull from
                 self.reset()
                 continue
             return resp
         raise HandshakeError(f"encoder {self.target} changed incarnation twice during one call")
 
     def encode(self, items: Sequence[MediaSpec]) -> list[pb2.ItemLocation]:
-        resp = self._call(self._encode_raw, lambda incarnation: encode_request_bytes(
-            self.model_id, self.consumer_id, incarnation, items))
+        resp = self._call(self._encode_raw, lambda incarnation, call_id: encode_request_bytes(
+            self.model_id, self.consumer_id, incarnation, items, call_id))
         results = list(resp.results)
         for i, result in enumerate(results):
             if result.WhichOneof("outcome") == "error":
@@ -341,8 +357,9 @@ class EncoderConnection:
         return EpdError(f"{label}: {message}")
 
     def lookup(self, mm_hashes: Sequence[str]) -> list[pb2.ItemLocation | None]:
-        resp = self._call(self._stub.Lookup, lambda incarnation: pb2.LookupRequest(
-            model_id=self.model_id, consumer_id=self.consumer_id, mm_hashes=mm_hashes, incarnation_id=incarnation))
+        resp = self._call(self._stub.Lookup, lambda incarnation, call_id: pb2.LookupRequest(
+            model_id=self.model_id, consumer_id=self.consumer_id, mm_hashes=mm_hashes, incarnation_id=incarnation,
+            call_id=call_id))
         return [r.location if r.WhichOneof("outcome") == "location" else None for r in resp.results]
 
     def release(self, lease_ids: Sequence[int], owner: str | None = None) -> None:
@@ -355,12 +372,27 @@ class EncoderConnection:
         waits on a slow or frozen encoder for them. The RPC still has its
         deadline, and :meth:`close` waits (bounded) for the ones in flight.
         """
-        if not lease_ids:
-            return
+        if lease_ids:
+            self._send_release(pb2.ReleaseRequest(consumer_id=owner or self.consumer_id, lease_ids=lease_ids),
+                               f"{len(lease_ids)} leases")
+
+    def abandon(self, call_ids: Sequence[str]) -> None:
+        """Give up calls whose answers we will not read: the encoder releases every lease they
+        granted (or refuses the answer still to come). Best effort and not waited for, as
+        :meth:`release`."""
+        if call_ids:
+            self._send_release(pb2.ReleaseRequest(consumer_id=self.consumer_id, call_ids=call_ids),
+                               f"the leases of {len(call_ids)} abandoned calls")
+
+    def _new_call_id(self) -> str:
+        with self._release_lock:
+            self._calls += 1
+            return f"{self._call_prefix}-{self._calls}"
+
+    def _send_release(self, request: pb2.ReleaseRequest, what: str) -> None:
         future = self._stub.Release.future(
-            pb2.ReleaseRequest(consumer_id=owner or self.consumer_id, lease_ids=lease_ids),
-            timeout=max(self.rpc_timeout_s, MIN_RELEASE_TIMEOUT_S), metadata=self._metadata)
-        count, target = len(lease_ids), self.target
+            request, timeout=max(self.rpc_timeout_s, MIN_RELEASE_TIMEOUT_S), metadata=self._metadata)
+        target = self.target
         with self._release_lock:
             self._releases.add(future)
 
@@ -372,7 +404,7 @@ class EncoderConnection:
             exc = call.exception()
             if exc is not None:
                 code = exc.code() if isinstance(exc, grpc.RpcError) else exc
-                logger.warning("release of %d leases on %s failed: %s", count, target, code)
+                logger.warning("release of %s on %s failed: %s", what, target, code)
 
         future.add_done_callback(done)
 

@@ -201,16 +201,18 @@ class ItemResult(_message.Message):
     def __init__(self, uuid: _Optional[str] = ..., location: _Optional[_Union[ItemLocation, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("model_id", "consumer_id", "items", "incarnation_id")
+    __slots__ = ("model_id", "consumer_id", "items", "incarnation_id", "call_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     consumer_id: str
     items: _containers.RepeatedCompositeFieldContainer[MediaItem]
     incarnation_id: str
-    def __init__(self, model_id: _Optional[str] = ..., consumer_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., incarnation_id: _Optional[str] = ...) -> None: ...
+    call_id: str
+    def __init__(self, model_id: _Optional[str] = ..., consumer_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., incarnation_id: _Optional[str] = ..., call_id: _Optional[str] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("results", "incarnation_id")
@@ -221,16 +223,18 @@ class EncodeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ..., incarnation_id: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model_id", "consumer_id", "mm_hashes", "incarnation_id")
+    __slots__ = ("model_id", "consumer_id", "mm_hashes", "incarnation_id", "call_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
     MM_HASHES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     consumer_id: str
     mm_hashes: _containers.RepeatedScalarFieldContainer[str]
     incarnation_id: str
-    def __init__(self, model_id: _Optional[str] = ..., consumer_id: _Optional[str] = ..., mm_hashes: _Optional[_Iterable[str]] = ..., incarnation_id: _Optional[str] = ...) -> None: ...
+    call_id: str
+    def __init__(self, model_id: _Optional[str] = ..., consumer_id: _Optional[str] = ..., mm_hashes: _Optional[_Iterable[str]] = ..., incarnation_id: _Optional[str] = ..., call_id: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("results", "incarnation_id")
@@ -241,12 +245,14 @@ class LookupResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ..., incarnation_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("consumer_id", "lease_ids")
+    __slots__ = ("consumer_id", "lease_ids", "call_ids")
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CALL_IDS_FIELD_NUMBER: _ClassVar[int]
     consumer_id: str
     lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, consumer_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    call_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, consumer_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ..., call_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

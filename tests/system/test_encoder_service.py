@@ -109,6 +109,35 @@ def test_encode_lookup_release_lifecycle(encoder) -> None:
     assert stub.Release(pb2.ReleaseRequest(consumer_id="t", lease_ids=leases), timeout=10).released == 0
 
 
+def test_a_call_given_up_by_its_id_gives_back_its_answer_and_refuses_one_to_come(encoder) -> None:
+    """What a caller whose deadline passed does: its answer's leases end now, not at their ttl."""
+    stub = _stub(encoder)
+    img = image_bytes(80, 64, seed=12)
+    item = [pb2.MediaItem(image=img)]
+    answered = stub.Encode(pb2.EncodeRequest(model_id=MODEL, consumer_id="t", items=item, call_id="c1"), timeout=60)
+    lease = answered.results[0].location.lease_id
+    assert stub.Release(pb2.ReleaseRequest(consumer_id="other", call_ids=["c1"]), timeout=10).released == 0
+    assert stub.Release(pb2.ReleaseRequest(consumer_id="t", call_ids=["c1"]), timeout=10).released == 1
+    assert stub.Release(pb2.ReleaseRequest(consumer_id="t", lease_ids=[lease]), timeout=10).released == 0
+
+    # Given up before it is answered: the answer is refused and its lease dropped.
+    dropped = _scrape(encoder).get(metrics.EPD_LEASES_DROPPED + "_total", 0.0)
+    assert stub.Release(pb2.ReleaseRequest(consumer_id="t", call_ids=["c2"]), timeout=10).released == 0
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Encode(pb2.EncodeRequest(model_id=MODEL, consumer_id="t", items=item, call_id="c2"), timeout=60)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _scrape(encoder)[metrics.EPD_LEASES_DROPPED + "_total"] == dropped + 1
+
+    looked = stub.Lookup(pb2.LookupRequest(model_id=MODEL, consumer_id="t", call_id="c3",
+                                           mm_hashes=[answered.results[0].location.mm_hash]), timeout=10)
+    assert looked.results[0].WhichOneof("outcome") == "location"
+    assert stub.Release(pb2.ReleaseRequest(consumer_id="t", call_ids=["c3"]), timeout=10).released == 1
+
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Release(pb2.ReleaseRequest(consumer_id="t", call_ids=["x" * 65]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "call_id" in info.value.details()
+
+
 def test_sixteen_concurrent_encodes_of_one_new_image_run_the_encoder_once(encoder) -> None:
     stub = _stub(encoder)
     img = image_bytes(80, 80, seed=1234)
@@ -142,6 +171,7 @@ def test_bad_media_fails_per_item_and_the_rest_succeeds(encoder) -> None:
         (dict(model_id=MODEL, items=[]), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(model_id=MODEL, items=[pb2.MediaItem()]), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(model_id=MODEL, items=[pb2.MediaItem(image=b"x")] * 65), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (dict(model_id=MODEL, call_id="x" * 65, items=[pb2.MediaItem(image=b"x")]), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(model_id=MODEL, incarnation_id="stale", items=[pb2.MediaItem(image=b"x")]),
          grpc.StatusCode.FAILED_PRECONDITION),
     ],

@@ -48,12 +48,13 @@ def test_hand_framed_encode_request_parses_to_what_protobuf_builds(incarnation: 
     big = bytes(range(256)) * 1200  # a length that needs a three-byte varint
     items = [MediaSpec.image(b"\x89PNG small"), MediaSpec.image(big, uuid="label é"),
              MediaSpec.video([b"f1", b"frame-two"], fps=2.5, uuid="clip"), MediaSpec.image(b"")]
-    framed = encode_request_bytes("model", "consumer", incarnation, items)
+    framed = encode_request_bytes("model", "consumer", incarnation, items, call_id="call-7")
     built = wire.pb2.EncodeRequest(model_id="model", consumer_id="consumer", incarnation_id=incarnation,
-                                   items=[i.to_proto() for i in items])
+                                   items=[i.to_proto() for i in items], call_id="call-7")
     assert wire.pb2.EncodeRequest.FromString(framed) == built
-    if not incarnation:  # then the fields come in number order, as protobuf writes them
-        assert framed == built.SerializeToString()
+    if not incarnation:  # without incarnation and call ids the fields come in number order, as protobuf writes them
+        built.ClearField("call_id")
+        assert encode_request_bytes("model", "consumer", "", items) == built.SerializeToString()
 
 
 def test_encode_request_fast_path_reads_what_protobuf_reads() -> None:
@@ -65,7 +66,7 @@ def test_encode_request_fast_path_reads_what_protobuf_reads() -> None:
     from prefill_client.encoder_conn import MediaSpec, encode_request_bytes
 
     def normalized(view):  # memoryviews compare by content
-        return (view.model_id, view.consumer_id, view.incarnation_id,
+        return (view.model_id, view.consumer_id, view.incarnation_id, view.call_id,
                 [(i.kind, tuple(bytes(f) for f in i.frames), i.fps, i.uuid) for i in view.items])
 
     texts = st.text(max_size=8)
@@ -75,9 +76,9 @@ def test_encode_request_fast_path_reads_what_protobuf_reads() -> None:
                   texts)), max_size=4)
 
     @settings(max_examples=150, deadline=None)
-    @given(texts, texts, texts, items, st.binary(max_size=12))
-    def check(model: str, consumer: str, incarnation: str, specs: list, tail: bytes) -> None:
-        data = encode_request_bytes(model, consumer, incarnation, specs)
+    @given(texts, texts, texts, items, st.binary(max_size=12), texts)
+    def check(model: str, consumer: str, incarnation: str, specs: list, tail: bytes, call_id: str) -> None:
+        data = encode_request_bytes(model, consumer, incarnation, specs, call_id)
         expected = normalized(from_message(wire.pb2.EncodeRequest.FromString(data)))
         assert normalized(parse_encode_request(data)) == expected
         # Odd trailing bytes (unknown fields, truncation, bad UTF-8...): the same outcome as protobuf.
