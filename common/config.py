@@ -353,8 +353,11 @@ class ProxyConfig:
              "robin, to the next one when one is unreachable")
     host: str = setting("127.0.0.1", env="EPD_PROXY_HOST", help="listen address (0.0.0.0 in a pod)")
     port: int = setting(DEFAULT_PROXY_PORT, env="EPD_PROXY_PORT", help="listen port (0 picks a free one)")
-    model_id: str = setting(
-        "tiny-qwen3-vl", env="EPD_MODEL_ID", help="model identity sent in the encoder handshake")
+    model_id: str | None = setting(
+        None, env="EPD_MODEL_ID",
+        help="model identity sent in the encoder handshake, for every request. Unset: the request's model, "
+             "else the one model the backends' /v1/models lists (the encoders' --model-id must then be the "
+             "name vLLM serves the model under)")
     allow_local_media: str | None = setting(
         None, env="EPD_PROXY_ALLOW_LOCAL_MEDIA",
         help="directory whose files image parts may name (file:// URLs); unset: local files are refused")
@@ -381,6 +384,8 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         _require(bool(self.encoders), "encoders", self.encoders, "needs at least one target")
         _require(bool(self.backends), "backends", self.backends, "needs at least one URL")
+        if self.model_id is not None:
+            _require(bool(self.model_id.strip()), "model_id", self.model_id, "must be non-empty when given")
         for url in self.backends:
             _require(url.startswith(("http://", "https://")), "backend", url, "must be an http(s):// URL")
         _require(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535]")

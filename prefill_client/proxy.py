@@ -17,8 +17,14 @@ and the leased locations go in the request's ``ec_transfer_params``
 pulls the rows, verified. The request then goes to a backend (round robin, the next one when one
 is unreachable) and its answer comes back as it is, streamed when it streams.
 
-Errors: bad media 400 (naming the part), cache full 429 with ``Retry-After``, no encoder
-reachable 503, no backend reachable 502. When a backend fails a request that carried items
+The model id sent in the encoder handshake is ``--model-id`` when given; else the request's
+``model``, else the one model the backends' ``/v1/models`` lists (asked once): one
+:class:`EncoderCacheClient` per model id, made on first use, at most :data:`MAX_MODELS` at once.
+A request without media needs no encoder, and no model id.
+
+Errors: bad media or a bad ``model`` 400 (naming the part or the model), cache full 429 with
+``Retry-After``, no encoder reachable 503, the encoders refuse the model id 502 (naming both
+ids), no backend reachable 502. When a backend fails a request that carried items
 (vLLM answers 500 when its connector could not get them), the proxy asks the encoders what
 became of the items and says so in the error. The proxy keeps no state a restart would lose:
 leases it handed on end when the connector releases them, or at the encoder's lease ttl.
@@ -30,13 +36,15 @@ import argparse
 import asyncio
 import base64
 import binascii
+import contextlib
 import itertools
 import json
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -51,9 +59,11 @@ from common.errors import (
     ConfigError,
     ECLoadFailure,
     EpdError,
+    HandshakeError,
     InvalidMediaError,
     LimitExceededError,
     LoadFailureReason,
+    WeightsMismatchError,
 )
 from prefill_client.client import EncoderCacheClient, Placement
 from prefill_client.encoder_conn import MediaSpec
@@ -64,6 +74,10 @@ logger = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+_PASSED_HEADERS = ("authorization", "x-request-id", "accept")
+MAX_MODELS = 4  # encoder clients (model ids) at once without --model-id
+MAX_MODEL_CHARS = 256  # as the encoder bounds the labels of a request
+MODELS_TIMEOUT_S = 10.0  # deadline of asking a backend for /v1/models
 
 
 class HttpError(Exception):
@@ -106,12 +120,109 @@ def video_timestamps(num_frames: int, fps: float, grid_t: int) -> list[float]:
     return [(indices[i] + indices[i + per_patch - 1]) / 2 / fps for i in range(0, len(indices), per_patch)]
 
 
-class Proxy:
-    """The HTTP application; one :class:`EncoderCacheClient` (no pulls: placements only)."""
+@dataclass
+class _Entry:
+    """A model id's client, the requests using it, and whether it was dropped (closed when unused)."""
 
-    def __init__(self, cfg: ProxyConfig, client: EncoderCacheClient) -> None:
+    client: EncoderCacheClient
+    users: int = 0
+    dropped: bool = False
+
+
+class _Clients:
+    """The proxy's encoder clients, one per model id: ``fixed`` (``--model-id``) for every model,
+    else one made by ``make`` on a model's first use, at most ``limit`` at once. A client the
+    encoders refused in the handshake is dropped, so names nobody serves keep no place."""
+
+    def __init__(self, make: Callable[[str], EncoderCacheClient], fixed: EncoderCacheClient | None,
+                 limit: int = MAX_MODELS) -> None:
+        self._make, self._limit = make, limit
+        self._fixed = _Entry(fixed) if fixed is not None else None
+        self._entries: dict[str, _Entry] = {}
+        self._creating = asyncio.Lock()
+
+    @property
+    def fixed_model(self) -> str | None:
+        """The model id of the fixed client, if there is one."""
+        return self._fixed.client.model_id if self._fixed is not None else None
+
+    @property
+    def models(self) -> list[str]:
+        """The model ids with a client now."""
+        return [self._fixed.client.model_id] if self._fixed is not None else list(self._entries)
+
+    @property
+    def targets(self) -> tuple[str, ...] | None:
+        """The encoders a client knows now; None before the first client."""
+        entries = [self._fixed] if self._fixed is not None else list(self._entries.values())
+        return entries[0].client.targets if entries else None
+
+    @contextlib.asynccontextmanager
+    async def use(self, model: str) -> AsyncIterator[EncoderCacheClient]:
+        """The client for ``model`` while the block runs (a client dropped meanwhile closes after it)."""
+        entry = self._fixed or await self._get(model)
+        entry.users += 1
+        try:
+            yield entry.client
+        finally:
+            entry.users -= 1
+            if entry.dropped and entry.users == 0:
+                await asyncio.to_thread(entry.client.close)
+
+    async def _get(self, model: str) -> _Entry:
+        entry = self._entries.get(model)
+        if entry is not None:  # not behind the lock: a client being made must not hold up the others
+            return entry
+        async with self._creating:  # one client per model, even for requests that arrive together
+            entry = self._entries.get(model)
+            if entry is not None:
+                return entry
+            if len(self._entries) >= self._limit:
+                raise HttpError(400, f"model {model!r}: epd proxy already has encoder clients for {self._limit} "
+                                     f"models ({', '.join(map(repr, self._entries))}), its most; start it with "
+                                     f"--model-id to serve one model id")
+            try:
+                client = await asyncio.to_thread(self._make, model)
+            except EpdError as exc:  # ConfigError: a target that does not resolve
+                raise HttpError(503, f"cannot reach the encoders: {exc}", kind="service_unavailable") from exc
+            entry = self._entries[model] = _Entry(client)
+            logger.info("encoder client for model %r (%d of at most %d)", model, len(self._entries), self._limit)
+            return entry
+
+    def drop(self, model: str) -> None:
+        """Forget ``model``'s client (not the fixed one): the next request makes a new one."""
+        entry = self._entries.pop(model, None)
+        if entry is not None:
+            entry.dropped = True
+
+    async def close(self) -> None:
+        """Close the clients made here (the fixed one is its owner's)."""
+        entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            await asyncio.to_thread(entry.client.close)
+
+
+def new_client(cfg: ProxyConfig, model_id: str) -> EncoderCacheClient:
+    """The proxy's client for one model id (no pulls: placements only)."""
+    return EncoderCacheClient(
+        cfg.encoders, model_id, transport_kind=cfg.transport, rpc_timeout_s=cfg.rpc_timeout_s,
+        landing_blocks=1, local_cache_blocks=0, tls=cfg.tls, weights_digest=cfg.weights_digest,
+        membership_refresh_s=cfg.membership_refresh_s)
+
+
+class Proxy:
+    """The HTTP application over encoder clients (:class:`_Clients`).
+
+    ``client``: the one client of every request (``--model-id``), its caller's to close; without
+    it, ``make_client(model_id)`` makes one per model id (default :func:`new_client`), closed here.
+    """
+
+    def __init__(self, cfg: ProxyConfig, client: EncoderCacheClient | None = None, *,
+                 make_client: Callable[[str], EncoderCacheClient] | None = None) -> None:
         self.cfg = cfg
-        self.client = client
+        self._clients = _Clients(make_client or (lambda model: new_client(cfg, model)), client)
+        self._served: list[str] | None = None  # the backends' /v1/models, once asked
+        self._served_lock = asyncio.Lock()
         self._backends = itertools.cycle(range(len(cfg.backends)))
         self._session: aiohttp.ClientSession | None = None
         self._local_root = Path(cfg.allow_local_media).resolve() if cfg.allow_local_media else None
@@ -131,12 +242,13 @@ class Proxy:
     async def _stop(self, app: web.Application) -> None:
         if self._session is not None:
             await self._session.close()
+        await self._clients.close()
 
     # --- handlers ----------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "encoders": list(self.client.targets),
-                                  "backends": list(self.cfg.backends)})
+        return web.json_response({"status": "ok", "encoders": list(self._clients.targets or self.cfg.encoders),
+                                  "backends": list(self.cfg.backends), "models": self._clients.models})
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -145,7 +257,6 @@ class Proxy:
             return exc.response()
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        placements: list[Placement] = []
         try:
             try:
                 body = await request.json()
@@ -156,17 +267,74 @@ class Proxy:
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise HttpError(400, "request body must be an object with a 'messages' list")
             parts = await self._media_parts(body["messages"], _video_fps(body))
-            if parts:
-                placements = await self._place(parts)
-                self.client.release_placed(_repeats(placements))  # the same image twice: one lease is enough
+            if not parts:  # nothing to encode: no encoder, no model id
+                return await self._forward("POST", CHAT_PATH, body, request)
+            model, source = await self._model_id(body, request)
+            async with self._clients.use(model) as client:
+                placements = await self._place(client, model, source, parts)
+                client.release_placed(_repeats(placements))  # the same image twice: one lease is enough
                 for part, placed in zip(parts, placements):
                     part.content[part.index] = part.rewritten(placed)
                 params = dict(body.get("ec_transfer_params") or {})
                 params[PARAMS_KEY] = to_params(placements)[PARAMS_KEY]
                 body["ec_transfer_params"] = params
-            return await self._forward("POST", CHAT_PATH, body, request, placements)
+                return await self._forward("POST", CHAT_PATH, body, request, client, placements)
         except HttpError as exc:
             return exc.response()
+
+    # --- model id ----------------------------------------------------------------------------
+
+    async def _model_id(self, body: dict[str, Any], request: web.Request) -> tuple[str, str]:
+        """The model id for the encoder handshake, and where it came from (for error messages)."""
+        fixed = self._clients.fixed_model or self.cfg.model_id
+        if fixed is not None:
+            return fixed, "--model-id"
+        model = body.get("model")
+        if model is not None:
+            if not isinstance(model, str) or not model.strip():
+                raise HttpError(400, f"model must be a non-empty string, got {model!r:.80}")
+            if len(model) > MAX_MODEL_CHARS:
+                raise HttpError(400, f"model is {len(model)} characters; at most {MAX_MODEL_CHARS}")
+            return model, "the request's model"
+        served = await self._served_models(request)
+        if len(served) == 1:
+            return served[0], "the one model of the backends' /v1/models"
+        if not served:
+            raise HttpError(400, "'model' is required: the backends' /v1/models lists no model")
+        raise HttpError(400, f"'model' is required: the backends serve {len(served)} models "
+                             f"({', '.join(repr(m) for m in served)})")
+
+    async def _served_models(self, request: web.Request) -> list[str]:
+        """The model names the backends' ``/v1/models`` lists (asked once; a failure is not kept)."""
+        async with self._served_lock:  # requests that arrive together ask once
+            if not self._served:  # an empty list is asked again
+                self._served = await self._ask_models(request)
+            return self._served
+
+    async def _ask_models(self, request: web.Request) -> list[str]:
+        assert self._session is not None
+        errors: list[str] = []
+        start = next(self._backends)
+        for k in range(len(self.cfg.backends)):
+            base = self.cfg.backends[(start + k) % len(self.cfg.backends)].rstrip("/")
+            try:
+                async with self._session.get(base + "/v1/models", headers=_passed_headers(request),
+                                             timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)) as resp:
+                    text = await resp.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                errors.append(f"{base}: {exc or type(exc).__name__}")
+                continue
+            if resp.status in (401, 403):  # the caller's credentials: theirs to fix
+                raise HttpError(resp.status, f"'model' is not given and {base}/v1/models answered "
+                                             f"{resp.status}: {_error_message(text)}", kind="authentication_error")
+            names = _model_names(text) if resp.status == 200 else None
+            if names is None:
+                errors.append(f"{base}: /v1/models answered {resp.status}: {_error_message(text)}")
+                continue
+            logger.info("the backends serve %s", ", ".join(names) or "no model")
+            return names
+        raise HttpError(502, f"'model' is not given and no backend listed its models ({'; '.join(errors)})",
+                        kind="service_unavailable")
 
     # --- media -------------------------------------------------------------------------------
 
@@ -237,9 +405,10 @@ class Proxy:
             raise HttpError(400, f"{label}: {url} is over {self.cfg.max_request_bytes} bytes")
         return data
 
-    async def _place(self, parts: Sequence[_Part]) -> list[Placement]:
+    async def _place(self, client: EncoderCacheClient, model: str, source: str,
+                     parts: Sequence[_Part]) -> list[Placement]:
         try:
-            return await asyncio.to_thread(self.client.place, [p.spec for p in parts])
+            return await asyncio.to_thread(client.place, [p.spec for p in parts])
         except InvalidMediaError as exc:
             raise HttpError(400, str(exc)) from exc
         except CacheFullError as exc:
@@ -252,16 +421,28 @@ class Proxy:
             raise HttpError(status, f"encoding failed: {exc}", kind="service_unavailable") from exc
         except grpc.RpcError as exc:
             raise HttpError(503, f"encoder error: {exc.code().name}: {exc.details()}", kind="service_unavailable") from exc
+        except HandshakeError as exc:
+            if isinstance(exc, WeightsMismatchError):
+                raise HttpError(502, f"encoding failed: {exc}", kind="service_unavailable") from exc
+            self._clients.drop(model)
+            hint = ("epd proxy's --model-id must be the encoders'" if source == "--model-id" else
+                    "the encoders' --model-id must be the name vLLM serves the model under, or start epd proxy "
+                    "with --model-id set to the encoders'")
+            # The encoder's message names both model ids ("this encoder serves 'X', request names 'Y'").
+            raise HttpError(502, f"the encoders refused the handshake for model {model!r} (from {source}): "
+                                 f"{exc} ({hint})", kind="service_unavailable") from exc
         except EpdError as exc:
             raise HttpError(502, f"encoding failed: {type(exc).__name__}: {exc}", kind="service_unavailable") from exc
 
     # --- forwarding --------------------------------------------------------------------------
 
     async def _forward(self, method: str, path: str, body: dict[str, Any] | None, request: web.Request,
+                       client: EncoderCacheClient | None = None,
                        placements: Sequence[Placement] = ()) -> web.StreamResponse:
+        """Send the request to a backend and relay its answer; ``client`` placed the ``placements``."""
         assert self._session is not None
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("authorization", "x-request-id", "accept")}
+        assert client is not None or not placements
+        headers = _passed_headers(request)
         errors: list[str] = []
         start = next(self._backends)
         for k in range(len(self.cfg.backends)):
@@ -271,13 +452,13 @@ class Proxy:
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 errors.append(f"{base}: {exc or type(exc).__name__}")
                 continue
-            if resp.status >= 400 and placements:
+            if resp.status >= 400 and client is not None and placements:
                 # Refused or failed: its leases may never be pulled (a second release is harmless).
-                self.client.release_placed(placements)
+                client.release_placed(placements)
             async with resp:
-                if resp.status >= 500 and placements:
+                if resp.status >= 500 and client is not None and placements:
                     text = await resp.text()
-                    why = await asyncio.to_thread(self._diagnose, placements)
+                    why = await asyncio.to_thread(self._diagnose, client, placements)
                     raise HttpError(resp.status, f"backend {base} failed the request ({resp.status}: "
                                                  f"{_error_message(text)}); {why}", kind="server_error")
                 out = web.StreamResponse(status=resp.status, headers={
@@ -287,17 +468,18 @@ class Proxy:
                     await out.write(chunk)
                 await out.write_eof()
                 return out
-        self.client.release_placed(placements)  # nobody will pull them
+        if client is not None:
+            client.release_placed(placements)  # nobody will pull them
         raise HttpError(502, f"no backend reachable ({'; '.join(errors)})", kind="service_unavailable")
 
-    def _diagnose(self, placements: Sequence[Placement]) -> str:
+    def _diagnose(self, client: EncoderCacheClient, placements: Sequence[Placement]) -> str:
         """What became of a failed request's items, asked of their encoders (leases given back at once)."""
         notes: list[str] = []
         by_encoder: dict[str, list[str]] = {}
         for p in placements:
             by_encoder.setdefault(p.encoder, []).append(p.mm_hash)
         for target, hashes in by_encoder.items():
-            conn = self.client.connection(target)
+            conn = client.connection(target)
             if conn is None:
                 notes.append(f"encoder {target} left the encoder list")
                 continue
@@ -358,6 +540,24 @@ def _repeats(placements: Sequence[Placement]) -> list[Placement]:
     return out
 
 
+def _passed_headers(request: web.Request) -> dict[str, str]:
+    """The caller's headers a backend gets too (its credentials, its request id)."""
+    return {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
+
+
+def _model_names(text: str) -> list[str] | None:
+    """The model names of an OpenAI ``/v1/models`` answer (``{"data": [{"id": NAME}, ...]}``), or None."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    models = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(models, list):
+        return None
+    names = [m.get("id") for m in models if isinstance(m, dict)]
+    return [n for n in names if isinstance(n, str) and n] if len(names) == len(models) else None
+
+
 def _error_message(text: str) -> str:
     try:
         data = json.loads(text)
@@ -380,14 +580,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _serve(cfg: ProxyConfig, client: EncoderCacheClient) -> None:
+async def _serve(cfg: ProxyConfig, client: EncoderCacheClient | None) -> None:
     runner = web.AppRunner(Proxy(cfg, client).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
     port = int(runner.addresses[0][1]) if runner.addresses else cfg.port
-    logger.info("epd proxy listening on http://%s:%d (encoders %s, backends %s)", cfg.host, port,
-                ",".join(cfg.encoders), ",".join(cfg.backends))
+    logger.info("epd proxy listening on http://%s:%d (encoders %s, backends %s, model id %s)", cfg.host, port,
+                ",".join(cfg.encoders), ",".join(cfg.backends),
+                cfg.model_id or "from each request's model, else the backends' /v1/models")
     print(json.dumps({"proxy_port": port}), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -407,12 +608,11 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"epd proxy: {exc}", file=sys.stderr)
         return 2
-    client = EncoderCacheClient(
-        cfg.encoders, cfg.model_id, transport_kind=cfg.transport, rpc_timeout_s=cfg.rpc_timeout_s,
-        landing_blocks=1, local_cache_blocks=0, tls=cfg.tls, weights_digest=cfg.weights_digest,
-        membership_refresh_s=cfg.membership_refresh_s)
+    # --model-id: one client, made now, for every request; else one per model id, made on first use.
+    client = new_client(cfg, cfg.model_id) if cfg.model_id is not None else None
     try:
         asyncio.run(_serve(cfg, client))
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     return 0

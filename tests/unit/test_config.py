@@ -129,6 +129,15 @@ def test_proxy_config_checks_its_urls() -> None:
         "a.example", "b.example")
 
 
+def test_proxy_model_id_is_optional() -> None:
+    # Unset, the proxy takes each request's model (else the backends' /v1/models) for the handshake.
+    assert build(ProxyConfig, None, {}).model_id is None
+    assert build(ProxyConfig, None, {"EPD_MODEL_ID": ""}).model_id is None
+    assert build(ProxyConfig, _parse(ProxyConfig, ["--model-id", "my-vlm"]), {"EPD_MODEL_ID": "x"}).model_id == "my-vlm"
+    with pytest.raises(ConfigError, match="model_id must be non-empty when given"):
+        ProxyConfig(model_id=" ")
+
+
 @pytest.mark.parametrize("cls", [EncoderServerConfig, PrefillConfig, ProxyConfig])
 def test_readme_documents_every_flag_and_env(cls: type, repo_root) -> None:
     readme = (repo_root / "README.md").read_text()

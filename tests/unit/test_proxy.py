@@ -1,13 +1,16 @@
 """``epd proxy`` against a fake encoder client and a fake vLLM backend (real HTTP on 127.0.0.1):
-the rewrite, the error mapping, streaming, and what it says when the backend fails a request."""
+the rewrite, the error mapping, streaming, what it says when the backend fails a request, and
+which model id it handshakes with (``--model-id``, else the request's ``model``, else the
+backends' ``/v1/models``)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,11 +20,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from common.config import ProxyConfig
-from common.errors import CacheFullError, ECLoadFailure, InvalidMediaError, LoadFailureReason
+from common.errors import CacheFullError, ECLoadFailure, HandshakeError, InvalidMediaError, LoadFailureReason
 from common.wire import pb2
 from prefill_client.client import Placement
 from prefill_client.encoder_conn import MediaSpec
-from prefill_client.proxy import Proxy
+from prefill_client.proxy import MAX_MODELS, Proxy
 from prefill_client.vllm.params import from_params
 
 PNG = b"\x89PNG fake bytes"
@@ -50,6 +53,11 @@ class FakeClient:
     placed: list[list[MediaSpec]] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     conn: FakeConn = field(default_factory=FakeConn)
+    model_id: str = "tiny-qwen3-vl"
+    closed: bool = False
+
+    def close(self) -> None:
+        self.closed = True
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -143,6 +151,9 @@ def test_images_become_embeds_parts_with_their_locations() -> None:
     (CacheFullError("every block is leased", 1500), 429, "every block is leased"),
     (ECLoadFailure(LoadFailureReason.HANDSHAKE, "h", detail="no encoder reachable (a: down)"), 503,
      "no encoder reachable"),
+    (HandshakeError("model_id mismatch: this encoder serves 'my-vlm', request names 'tiny-qwen3-vl'"), 502,
+     "refused the handshake for model 'tiny-qwen3-vl' (from --model-id): model_id mismatch: this encoder serves "
+     "'my-vlm', request names 'tiny-qwen3-vl' (epd proxy's --model-id must be the encoders')"),
 ])
 def test_encoder_errors_map_to_http(error: Exception, status: int, words: str) -> None:
     got, headers, answer, seen = asyncio.run(_run(FakeClient(error=error), _ok, _chat(_image(_data_url()))))
@@ -251,3 +262,207 @@ def test_streams_are_relayed_as_they_come() -> None:
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     text = b"".join(chunks).decode()
     assert text.count("data: ") == 4 and text.endswith("data: [DONE]\n\n")
+
+
+# --- which model id the proxy handshakes with ------------------------------------------------------
+
+
+@dataclass
+class FakeEncoders:
+    """Makes the proxy's client of a model id; its encoders serve ``serves`` (None: any id), and
+    refuse another in the handshake as ``epd encoder`` does."""
+
+    serves: str | None = "served-model"
+    made: list[FakeClient] = field(default_factory=list)
+
+    def __call__(self, model_id: str) -> FakeClient:
+        refused = self.serves is not None and model_id != self.serves
+        error = HandshakeError(f"model_id mismatch: this encoder serves {self.serves!r}, request names "
+                               f"{model_id!r}") if refused else None
+        client = FakeClient(error=error, model_id=model_id)
+        self.made.append(client)
+        return client
+
+
+@dataclass
+class FakeBackend:
+    """A vLLM server: answers chats, and ``/v1/models`` with ``models`` (status ``models_status``)."""
+
+    models: Any = None
+    models_status: int = 200
+    chats: list[Any] = field(default_factory=list)
+    model_asks: int = 0
+
+
+def _served(*names: str) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": n, "object": "model", "root": "/ckpt"} for n in names]}
+
+
+@contextlib.asynccontextmanager
+async def _proxy(backend: FakeBackend, make_client: Callable[[str], Any] | None = None,
+                 cfg: dict[str, Any] | None = None) -> AsyncIterator[TestClient[web.Request, web.Application]]:
+    """A proxy without a fixed client (no ``--model-id`` unless ``cfg`` has it) in front of ``backend``."""
+    app = web.Application()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        backend.chats.append(await request.json())
+        return await _ok(request)
+
+    async def models(request: web.Request) -> web.Response:
+        backend.model_asks += 1
+        return web.json_response(backend.models, status=backend.models_status)
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    proxy = Proxy(ProxyConfig(backends=(url,), **(cfg or {})), make_client=make_client)
+    try:
+        async with TestClient(TestServer(proxy.app(), host="127.0.0.1")) as http:
+            yield http
+    finally:
+        await server.close()
+
+
+async def _post(http: TestClient[web.Request, web.Application], body: dict[str, Any]) -> tuple[int, Any]:
+    resp = await http.post("/v1/chat/completions", json=body)
+    return resp.status, await resp.json()
+
+
+def _with_model(model: Any, *parts: dict[str, Any]) -> dict[str, Any]:
+    body = _chat(*(parts or (_image(_data_url()),)))
+    if model is None:
+        del body["model"]
+    else:
+        body["model"] = model
+    return body
+
+
+def test_without_model_id_the_requests_model_is_the_handshakes() -> None:
+    encoders, backend = FakeEncoders(), FakeBackend(models=_served("served-model"))
+
+    async def go() -> tuple[list[tuple[int, Any]], Any]:
+        async with _proxy(backend, encoders) as http:
+            answers = [await _post(http, _with_model("served-model")) for _ in range(2)]
+            return answers, await (await http.get("/health")).json()
+
+    answers, health = asyncio.run(go())
+    assert [status for status, _ in answers] == [200, 200], answers
+    (client,) = encoders.made  # one client for the model, made on its first request
+    assert client.model_id == "served-model" and len(client.placed) == 2
+    assert health["models"] == ["served-model"] and health["encoders"] == ["127.0.0.1:1"]
+    assert backend.model_asks == 0  # the request named its model
+    assert [b["model"] for b in backend.chats] == ["served-model"] * 2
+    assert backend.chats[0]["messages"][1]["content"][0]["type"] == "image_embeds"
+    assert client.closed  # with the proxy
+
+
+def test_without_a_model_the_backends_one_model_is_used() -> None:
+    encoders, backend = FakeEncoders(), FakeBackend(models=_served("served-model"))
+
+    async def go() -> list[tuple[int, Any]]:
+        async with _proxy(backend, encoders) as http:
+            return list(await asyncio.gather(*(_post(http, _with_model(None)) for _ in range(3))))
+
+    answers = asyncio.run(go())
+    assert [status for status, _ in answers] == [200] * 3, answers
+    assert backend.model_asks == 1  # asked once, for requests that came together
+    assert [c.model_id for c in encoders.made] == ["served-model"]
+    assert all("model" not in b for b in backend.chats) and len(backend.chats) == 3  # the body is left as it is
+
+
+@pytest.mark.parametrize("models, models_status, status, words", [
+    (_served("a", "b"), 200, 400, "'model' is required: the backends serve 2 models ('a', 'b')"),
+    (_served(), 200, 400, "'model' is required: the backends' /v1/models lists no model"),
+    ({"error": {"message": "Not Found"}}, 404, 502, "/v1/models answered 404: Not Found"),
+    ({"error": {"message": "bad key"}}, 401, 401, "/v1/models answered 401: bad key"),
+])
+def test_without_a_model_the_backends_must_serve_one(models: Any, models_status: int, status: int,
+                                                     words: str) -> None:
+    encoders, backend = FakeEncoders(), FakeBackend(models=models, models_status=models_status)
+
+    async def go() -> tuple[int, Any]:
+        async with _proxy(backend, encoders) as http:
+            return await _post(http, _with_model(None))
+
+    got, answer = asyncio.run(go())
+    assert got == status and words in answer["error"]["message"], answer
+    assert not encoders.made and not backend.chats
+
+
+def test_a_text_only_request_needs_no_model_id() -> None:
+    encoders, backend = FakeEncoders(), FakeBackend(models=_served("a", "b"))
+
+    async def go() -> tuple[int, Any]:
+        async with _proxy(backend, encoders) as http:
+            return await _post(http, _with_model(None, {"type": "text", "text": "hello"}))
+
+    status, _ = asyncio.run(go())
+    assert status == 200 and len(backend.chats) == 1
+    assert not encoders.made and backend.model_asks == 0
+
+
+@pytest.mark.parametrize("model, words", [
+    (7, "model must be a non-empty string, got 7"),
+    ("", "model must be a non-empty string, got ''"),
+    ("  ", "model must be a non-empty string"),
+    (["served-model"], "model must be a non-empty string, got ['served-model']"),
+    ("m" * 257, "model is 257 characters; at most 256"),
+])
+def test_bad_model_values_are_400(model: Any, words: str) -> None:
+    encoders, backend = FakeEncoders(), FakeBackend(models=_served("served-model"))
+
+    async def go() -> tuple[int, Any]:
+        async with _proxy(backend, encoders) as http:
+            return await _post(http, _with_model(model))
+
+    status, answer = asyncio.run(go())
+    assert status == 400 and words in answer["error"]["message"], answer
+    assert not encoders.made and not backend.chats and backend.model_asks == 0
+
+
+def test_a_model_the_encoders_do_not_serve_is_an_error_naming_both_ids() -> None:
+    encoders, backend = FakeEncoders(serves="served-model"), FakeBackend(models=_served("served-model"))
+
+    async def go() -> list[tuple[int, Any]]:
+        async with _proxy(backend, encoders) as http:
+            return [await _post(http, _with_model(m)) for m in ("other-model", "other-model", "served-model")]
+
+    (s1, a1), (s2, _), (s3, _) = asyncio.run(go())
+    message = a1["error"]["message"]
+    assert s1 == 502 and s2 == 502, a1
+    assert "refused the handshake for model 'other-model' (from the request's model)" in message
+    assert "this encoder serves 'served-model', request names 'other-model'" in message
+    assert message.endswith("(the encoders' --model-id must be the name vLLM serves the model under, or start "
+                            "epd proxy with --model-id set to the encoders')")
+    # A refused client is dropped, closed, and keeps no place: each request made its own.
+    assert [(c.model_id, c.closed) for c in encoders.made] == [
+        ("other-model", True), ("other-model", True), ("served-model", True)]
+    assert s3 == 200 and len(backend.chats) == 1
+
+
+def test_clients_are_bounded() -> None:
+    encoders, backend = FakeEncoders(serves=None), FakeBackend()
+    names = [f"model-{i}" for i in range(MAX_MODELS)]
+
+    async def go() -> list[tuple[int, Any]]:
+        async with _proxy(backend, encoders) as http:
+            return [await _post(http, _with_model(m)) for m in [*names, "one-too-many", names[0]]]
+
+    answers = asyncio.run(go())
+    assert [s for s, _ in answers] == [200] * MAX_MODELS + [400, 200], answers
+    message = answers[MAX_MODELS][1]["error"]["message"]
+    assert message.startswith("model 'one-too-many': ") and f"encoder clients for {MAX_MODELS} models" in message
+    assert [c.model_id for c in encoders.made] == names and all(c.closed for c in encoders.made)
+
+
+def test_with_model_id_the_requests_model_is_not_the_handshakes() -> None:
+    encoders, backend = FakeEncoders(serves="fixed-id"), FakeBackend()
+
+    async def go() -> list[tuple[int, Any]]:
+        async with _proxy(backend, encoders, cfg={"model_id": "fixed-id"}) as http:
+            return [await _post(http, _with_model(m)) for m in ("whatever", None, 7)]
+
+    assert [s for s, _ in asyncio.run(go())] == [200, 200, 200]
+    assert [c.model_id for c in encoders.made] == ["fixed-id"] and backend.model_asks == 0
