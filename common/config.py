@@ -208,9 +208,11 @@ class EncoderServerConfig:
              "native (that kernel or fail at start-up), sdpa (torch SDPA always, and torch's GELU)")
     encoder_buckets: tuple[int, ...] | None = setting(
         None, env="EPD_ENCODER_BUCKETS",
-        help="sizes in merged tokens of the static-shape encoder graphs, comma separated; each is built "
-             "before the encoder is ready, so fewer buckets start faster and more pad less. Unset: the "
-             "built-in set (DEFAULT_BUCKETS in encoder_server/vision/runner.py)")
+        help="sizes in merged tokens of the encoder graphs, comma separated; each is built before the "
+             "encoder is ready, so fewer buckets start faster. A compiled graph takes any launch above the "
+             "next smaller size up to its own (padded to a multiple of 8 tokens); neuron pads every launch "
+             "to its bucket, so there more buckets pad less. Unset: the built-in set (DEFAULT_BUCKETS in "
+             "encoder_server/vision/runner.py)")
     compile_cache_dir: str | None = setting(
         None, env="EPD_COMPILE_CACHE_DIR",
         help="directory for compiled encoder graphs (TorchInductor FX-graph and AOTAutograd caches, Triton "

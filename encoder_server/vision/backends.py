@@ -9,12 +9,16 @@ device-to-host transfer).
 
 * ``eager``: PyTorch eager, any device. Frames back to back with no padding
   (:func:`frames_write`): a launch costs exactly its rows.
-* ``compile``: ``torch.compile(dynamic=False, fullgraph=True)`` of
-  :func:`frames_write`, one graph per bucket (CPU and CUDA): the frames of a
-  launch lie back to back, padded at the tail to the bucket; attention by
-  frame is one opaque custom op, so which frames a launch holds never changes
-  the graph. Exact-size launches run eagerly so an oversize frame never
-  triggers a recompile.
+* ``compile``: ``torch.compile(fullgraph=True)`` of :func:`frames_write`
+  (CPU and CUDA), one graph per bucket whose row count is dynamic within the
+  bucket's range (above the next smaller bucket, up to its own): the frames
+  of a launch lie back to back, padded only to a multiple of
+  :data:`ROW_MULTIPLE` merged tokens; attention by frame is one opaque custom
+  op, so which frames a launch holds never changes the graph. Padding every
+  launch to its bucket instead cost up to half the work: 640 merged tokens
+  padded to 1,024 ran Qwen3-VL-2B's tower at 0.76x transformers against 1.09x
+  eager (``BENCHMARKS.md``). Exact-size launches (an oversize frame) run
+  eagerly, so they never trigger a recompile.
 * ``neuron``: ``torch_neuronx.trace`` per bucket shape with the buffer declared
   as an aliased state tensor; frames packed into ``[n, L]`` attention blocks
   with a mask per frame (:attr:`Layout.BLOCKS`), as a traced graph needs every
@@ -41,8 +45,12 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("eager", "compile", "neuron", "auto")
 
 # What "auto" picks on a CPU. Measured with bench/encoder.py on the development
-# host (tiny tower, 2 cores): the compiled graph was faster in every bucket.
+# host (2 cores): the compiled graph was faster in every bucket.
 CPU_AUTO_BACKEND = "compile"
+# Launches of the compiled graph are padded to a multiple of this many merged tokens: a row
+# count of 1 would be specialized by the compiler (a recompile), and a few shapes fewer cost
+# at most 7 tokens of work a launch.
+ROW_MULTIPLE = 8
 
 
 class Layout(enum.Enum):
@@ -84,10 +92,27 @@ def frames_write(
     return buffer
 
 
+def _frames_write_by_token(
+    encoder: VisionEncoder,
+    patches: torch.Tensor,
+    interp_index: torch.Tensor,
+    interp_weight: torch.Tensor,
+    positions: torch.Tensor,
+    frames: torch.Tensor,
+    dest: torch.Tensor,
+    buffer: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`frames_write` of inputs grouped by merged token: ``[tokens, merge**2, ...]``."""
+    return frames_write(encoder, patches.flatten(0, 1), interp_index.flatten(0, 1), interp_weight.flatten(0, 1),
+                        positions.flatten(0, 1), frames, dest, buffer)
+
+
 class GraphBackend(Protocol):
     name: str
     layout: Layout
     static_shapes: bool  # False: launches are not padded to their bucket
+    row_multiple: int  # launches that are not padded to their bucket: padded to a multiple of this
+    frame_slots: int | None  # frames layout: the frames tensor's fixed length (None: one entry a frame)
 
     def run(self, shape: BucketShape, exact: bool, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
         ...
@@ -103,6 +128,8 @@ class EagerBackend:
     name = "eager"
     layout = Layout.FRAMES
     static_shapes = False
+    row_multiple = 1
+    frame_slots: int | None = None
 
     def __init__(self, encoder: VisionEncoder) -> None:
         self._encoder = encoder
@@ -115,21 +142,49 @@ class EagerBackend:
 class CompileBackend:
     name = "compile"
     layout = Layout.FRAMES
-    static_shapes = True
+    static_shapes = False
+    row_multiple = ROW_MULTIPLE
+    frame_slots: int | None
 
-    def __init__(self, encoder: VisionEncoder, num_shapes: int) -> None:
+    def __init__(self, encoder: VisionEncoder, buckets: tuple[int, ...]) -> None:
+        """``buckets``: the bucket sizes in merged tokens; bucket ``b``'s graph takes launches of
+        more tokens than the next smaller bucket and at most ``b``."""
         self._encoder = encoder
-        # One compiled graph per bucket shape; make room for all of them so the
+        ordered = sorted(set(buckets))
+        self._ranges = {b: (lo + 1, b) for lo, b in zip([0, *ordered], ordered)}
+        self.frame_slots = ordered[-1]  # a frame holds at least one merged token
+        # One compiled graph per bucket; make room for all of them so the
         # last buckets are not silently demoted to eager by the recompile limit.
         dynamo_config: Any = torch._dynamo.config
         limit_name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-        if getattr(dynamo_config, limit_name) < num_shapes + 1:
-            setattr(dynamo_config, limit_name, num_shapes + 1)
-        self._compiled = torch.compile(frames_write, dynamic=False, fullgraph=True)
+        if getattr(dynamo_config, limit_name) < len(ordered) + 1:
+            setattr(dynamo_config, limit_name, len(ordered) + 1)
+        self._compiled = torch.compile(_frames_write_by_token, fullgraph=True)
 
     def run(self, shape: BucketShape, exact: bool, inputs: LaunchInputs, buffer: torch.Tensor) -> torch.Tensor:
+        if exact:
+            with torch.no_grad():
+                return _call(frames_write, self._encoder, inputs, buffer)
+        lo, hi = self._ranges[shape.tokens]
+        tokens = inputs.dest.shape[0]
+        if not lo <= tokens <= hi:
+            raise ValueError(f"launch of {tokens} merged tokens does not fit bucket {shape.tokens}'s graph "
+                             f"({lo} to {hi} tokens)")
+        # The row count varies within the bucket's range, nothing else: one graph per bucket.
+        # (The runner pads to a multiple of row_multiple, or to the bucket: never fewer rows.)
+        lo = min(-(-lo // self.row_multiple) * self.row_multiple, hi)
+        unit = self._encoder.config.merge_unit
+        # Rows go in grouped by merged token ([tokens, merge**2, ...]), so every input's first
+        # dimension is the same token count and no guard on its divisibility is needed.
+        patches, index, weight, positions = (t.view(tokens, unit, *t.shape[1:]) for t in (
+            inputs.patches, inputs.interp_index, inputs.interp_weight, inputs.positions))
+        if lo < hi:
+            for tensor in (patches, index, weight, positions, inputs.dest):
+                torch._dynamo.mark_dynamic(tensor, 0, min=lo, max=hi)
         with torch.no_grad():
-            return _call(frames_write if exact else self._compiled, self._encoder, inputs, buffer)
+            out: torch.Tensor = self._compiled(self._encoder, patches, index, weight, positions, inputs.frames,
+                                               inputs.dest, buffer)
+            return out
 
 
 class _NeuronWrite(nn.Module):
@@ -166,6 +221,8 @@ class NeuronBackend:
     name = "neuron"
     layout = Layout.BLOCKS
     static_shapes = True
+    row_multiple = 1
+    frame_slots: int | None = None
 
     def __init__(self, encoder: VisionEncoder) -> None:
         try:
@@ -207,10 +264,10 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return CPU_AUTO_BACKEND
 
 
-def make_backend(name: str, encoder: VisionEncoder, num_shapes: int) -> GraphBackend:
+def make_backend(name: str, encoder: VisionEncoder, buckets: tuple[int, ...]) -> GraphBackend:
     resolved = resolve_backend(name, encoder.device)
     if resolved == "eager":
         return EagerBackend(encoder)
     if resolved == "compile":
-        return CompileBackend(encoder, num_shapes)
+        return CompileBackend(encoder, buckets)
     return NeuronBackend(encoder)

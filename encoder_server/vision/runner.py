@@ -9,8 +9,12 @@ never replaced: ``write`` returns the very object it was given.
 
 On the eager and compiled backends a launch is one flat sequence of frames
 attending each to itself, so a bucket is only a row count: any frames whose
-rows fit go together. The Neuron backend packs frames into masked attention
-blocks of ``attention_block`` tokens instead (see :mod:`.packing`).
+rows fit go together. Eager launches are not padded at all; compiled ones
+only to the backend's row multiple (its graphs take any row count in their
+bucket's range). The Neuron backend packs frames into masked attention
+blocks of ``attention_block`` tokens instead (see :mod:`.packing`), padded
+to the bucket. :attr:`EncoderRunner.real_tokens` and ``computed_tokens``
+count what the launches held and what they computed.
 
 Buckets are in **merged tokens** (cache rows); ``max_batch_tokens`` is the
 largest bucket. A batch of several items must fit in it (the caller splits
@@ -75,7 +79,7 @@ class EncoderRunner:
         self.encoder = encoder
         self.block_size = block_size
         sizes = tuple(buckets if buckets is not None else DEFAULT_BUCKETS)
-        self._backend = make_backend(backend, encoder, len(set(sizes)))
+        self._backend = make_backend(backend, encoder, sizes)
         self.backend: str = self._backend.name
         self._layout = self._backend.layout
         self._pad = self._backend.static_shapes or bool(pad_to_bucket)
@@ -86,6 +90,9 @@ class EncoderRunner:
         self.buckets: tuple[int, ...] = tuple(s.tokens for s in self._shapes)
         self.max_batch_tokens: int = self.buckets[-1]
         self.attention_block = attention_block
+        # Merged tokens of the items written, and of the launches that ran them (padding included).
+        self.real_tokens = 0
+        self.computed_tokens = 0
         logger.info("encoder runner: backend %s, buckets %s (merged tokens), %s layout",
                     self.backend, self.buckets, self._layout.value)
 
@@ -160,6 +167,8 @@ class EncoderRunner:
             sources = [item.hf_pixel_values().to(self.encoder.dtype) for item in items]
         for launch in plan_launches(frames, self._shapes):
             inputs = self._launch_inputs(launch, items, sources, dests, scratch_block_id)
+            self.real_tokens += launch.real_tokens
+            self.computed_tokens += int(inputs.dest.shape[0])
             result = self._backend.run(launch.shape, launch.exact, inputs, buffer)
             if result.data_ptr() != buffer.data_ptr():
                 raise RuntimeError(f"backend {self.backend} returned a tensor that is not the cache buffer")
@@ -261,7 +270,11 @@ class EncoderRunner:
         frames_layout = self._layout is Layout.FRAMES
         block_rows = launch.shape.block_tokens * unit
         if frames_layout and not self._pad and launch.blocks:
-            total = launch.real_tokens * unit  # no padding at all (a warm-up launch, no frames: the whole bucket)
+            # Padded only to the backend's row multiple (a warm-up launch, no frames: the whole bucket).
+            multiple = self._backend.row_multiple
+            tokens = launch.real_tokens if launch.exact else min(
+                -(-launch.real_tokens // multiple) * multiple, launch.shape.tokens)
+            total = tokens * unit
         else:
             total = launch.shape.tokens * unit
         # Each frame's first row: back to back (frames layout) or from its block's start.
@@ -307,7 +320,7 @@ class EncoderRunner:
         pad(cursor, total)
         if frames_layout:
             lengths = [ref.tokens * unit for _, ref in placed]
-            slots = launch.shape.tokens if self._pad else len(lengths)
+            slots = launch.shape.tokens if self._pad else (self._backend.frame_slots or len(lengths))
             frames = torch.tensor(lengths + [0] * (slots - len(lengths)), dtype=torch.int64)
             segments = torch.empty(0, dtype=torch.int32)
         else:

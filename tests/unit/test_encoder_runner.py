@@ -67,6 +67,7 @@ def test_mixed_batch_equals_each_item_alone(encoder: VisionEncoder) -> None:
     for it, b, counts in zip(items, blocks, tpbs):
         alone = encoder.embed(it.pixel_values, [it.grid_thw])
         torch.testing.assert_close(rows_of(buffer, b, counts), alone, atol=ATOL, rtol=ATOL)
+    assert runner.real_tokens == runner.computed_tokens == 12 + 4 + 27  # eager launches are never padded
 
 
 class MaskedBlocksOnCpu:
@@ -75,6 +76,8 @@ class MaskedBlocksOnCpu:
     name = "neuron-on-cpu"
     layout = Layout.BLOCKS
     static_shapes = True
+    row_multiple = 1
+    frame_slots = None
 
     def __init__(self, encoder: VisionEncoder) -> None:
         self._encoder = encoder
@@ -287,6 +290,8 @@ def test_compiled_graph_writes_in_place_and_never_recompiles(encoder: VisionEnco
                                        atol=ATOL, rtol=ATOL)
     assert buffer.data_ptr() == ptr
     assert counters["stats"]["unique_graphs"] == compiled, "a new mix of frames recompiled the bucket's graph"
+    # 10 and 6 tokens: padded to multiples of 8 (16 and 8), not both to the bucket (32)
+    assert (runner.real_tokens, runner.computed_tokens) == (16, 24)
     assert torch.isnan(buffer[5:SCRATCH]).all()
 
 
