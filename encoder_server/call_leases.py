@@ -100,12 +100,14 @@ class CallLeases:
             return []
         return sorted(ids)
 
-    def released(self, lease_ids: Iterable[int]) -> None:
-        """Leases given back by id: their calls no longer need remembering."""
+    def released(self, consumer_id: str, lease_ids: Iterable[int]) -> None:
+        """Leases ``consumer_id`` gave back by id: their calls no longer need remembering (ids
+        of another consumer's calls are left alone, as the lease table refuses them)."""
         for lease_id in lease_ids:
-            key = self._call_of.pop(lease_id, None)
-            if key is None:
+            key = self._call_of.get(lease_id)
+            if key is None or key[0] != consumer_id:
                 continue
+            del self._call_of[lease_id]
             entry = self._leases.get(key)
             if entry is not None:
                 entry[0].discard(lease_id)

@@ -245,7 +245,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         for call_id in request.call_ids:
             self._check_label("call_id", call_id, MAX_CALL_ID_CHARS)
         lease_ids = list(request.lease_ids)
-        self.calls.released(lease_ids)
+        self.calls.released(request.consumer_id, lease_ids)
         released = self.engine.release(lease_ids, request.consumer_id)
         for call_id in request.call_ids:
             if call_id:
@@ -299,7 +299,7 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
     def _drop(self, lease_ids: list[int], consumer_id: str) -> int:
         if not lease_ids:
             return 0
-        self.calls.released(lease_ids)
+        self.calls.released(consumer_id, lease_ids)
         dropped = self.engine.release(lease_ids, consumer_id)
         if dropped:
             self.metrics.leases_dropped.inc(dropped)

@@ -16,7 +16,10 @@ calling :meth:`EncoderCacheClient.encode` on random pairs of 24 images.
   clients whose RPC deadlines (30, 100, 300 ms) are shorter than many of
   their encodes. Once they stop, no lease stays active (read from
   ``/metrics`` long before any lease could have expired), and the encoder
-  still serves a correct embedding.
+  still serves a correct embedding. An answer can reach a caller after its
+  deadline passed (the encoder's clock runs behind by the request's way
+  there): the caller then gives the call up by its ``call_id``, and this
+  test failed on a loaded box before it did.
 """
 
 from __future__ import annotations

@@ -34,10 +34,11 @@ def test_an_answer_its_caller_gave_up_on_first_is_refused() -> None:
 def test_leases_released_by_id_leave_their_call() -> None:
     calls = CallLeases(30.0)
     calls.answered("a", "c1", [1, 2], now=0.0)
-    calls.released([1, 99])
+    calls.released("a", [1, 99])
+    calls.released("b", [2])  # not b's to give back: the lease table refuses it, and so does this
     assert calls.abandon("a", "c1", now=0.0) == [2]
     calls.answered("a", "c2", [3], now=0.0)
-    calls.released([3])
+    calls.released("a", [3])
     assert len(calls) == 0
 
 
