@@ -187,7 +187,8 @@ class EncoderServerConfig:
         TransportKind.AUTO, env="EPD_TRANSPORT", help="nixl, mock, or auto (nixl when installed)")
     weights: str | None = setting(
         None, env="EPD_WEIGHTS",
-        help="Hugging Face Qwen3-VL checkpoint directory; random tiny encoder when unset")
+        help="Hugging Face Qwen3-VL checkpoint directory (model_type qwen3_vl or qwen3_vl_moe; another "
+             "family's is refused at start, naming its architecture); random tiny encoder when unset")
     device: str = setting("cpu", env="EPD_DEVICE", help="torch device for the encoder and the cache")
     encoder_backend: str = setting(
         "auto", env="EPD_ENCODER_BACKEND",

@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "silu", "relu")
 
 
+# Checkpoints whose vision tower this one is: Qwen3-VL, dense and mixture-of-experts (the
+# same tower, the same tensor names; the experts are all in the language model).
+QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+
 @dataclass(frozen=True)
 class VisionConfig:
     """Shape of a Qwen3-VL vision tower; the defaults are the tiny test tower."""
@@ -130,7 +134,17 @@ class VisionConfig:
             raise ConfigError(f"cannot read {config_file}: {exc}") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"{config_file} is not a JSON object")
+        model_type = raw.get("model_type")
+        if model_type is not None and model_type not in QWEN3_VL_MODEL_TYPES:
+            # Another family's vision_config may carry the same keys and build a wrong tower:
+            # refuse by name rather than fail later on tensor names. (A config without a
+            # model_type, which transformers itself would not load, is read as Qwen3-VL's.)
+            architectures = raw.get("architectures")
+            named = ", ".join(map(str, architectures)) if isinstance(architectures, list) and architectures else "?"
+            raise ConfigError(
+                f"{config_file}: architecture {named} (model_type {model_type!r}) is not a Qwen3-VL checkpoint; "
+                f"epd encoder's vision tower serves model_type {' or '.join(QWEN3_VL_MODEL_TYPES)}")
         vision = raw.get("vision_config")
         if not isinstance(vision, dict):
-            raise ConfigError(f"{config_file} has no vision_config object (model_type {raw.get('model_type')!r})")
+            raise ConfigError(f"{config_file} has no vision_config object (model_type {model_type!r})")
         return cls.from_hf_dict(vision)

@@ -7,6 +7,7 @@ The whole sequence, on a real process with compiled graphs, is in
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -75,6 +76,19 @@ def test_the_cli_refuses_an_unusable_compile_cache_dir_before_listening(tmp_path
     assert proc.returncode == 2, proc.stderr
     assert str(blocker / "cache") in proc.stderr
     assert not (tmp_path / "listening.json").exists()
+
+
+def test_the_encoder_refuses_a_checkpoint_of_another_family_naming_its_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "vision_config": {"depth": 2, "hidden_size": 32, "num_heads": 2}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.cli", "encoder", "--port", "0", "--metrics-port", "-1", "--transport", "mock",
+         "--weights", str(tmp_path), "--encoder-backend", "eager"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Qwen2_5_VLForConditionalGeneration (model_type 'qwen2_5_vl') is not a Qwen3-VL checkpoint" in proc.stderr
 
 
 def test_while_warming_up_health_answers_and_every_cache_rpc_is_refused() -> None:

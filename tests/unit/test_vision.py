@@ -72,6 +72,44 @@ def test_embed_matches_transformers(tmp_path: Path, prefix: str, overrides: dict
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_a_qwen3_vl_moe_checkpoints_tower_matches_transformers(tmp_path: Path) -> None:
+    """The mixture-of-experts Qwen3-VL checkpoints (30B-A3B, 235B-A22B) share the dense ones' tower."""
+    moe_config = pytest.importorskip("transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe")
+    moe = pytest.importorskip("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe")
+    config = moe_config.Qwen3VLMoeVisionConfig(**TINY)
+    config._attn_implementation = "eager"
+    torch.manual_seed(4321)
+    model = moe.Qwen3VLMoeVisionModel(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+        "vision_config": config.to_dict()}))
+    save_file({"model.visual." + k: v.contiguous() for k, v in model.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    encoder = load_encoder(str(tmp_path))
+    pixel_values = torch.randn(int(GRIDS.prod(-1).sum()), encoder.config.patch_dim,
+                               generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(encoder.embed(pixel_values, GRIDS), hf_rows(model, pixel_values, GRIDS),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("raw", "named"), [
+    ({"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"]},
+     "Qwen2_5_VLForConditionalGeneration (model_type 'qwen2_5_vl')"),
+    ({"model_type": "llava_onevision", "architectures": ["LlavaOnevisionForConditionalGeneration"]},
+     "LlavaOnevisionForConditionalGeneration (model_type 'llava_onevision')"),
+    ({"model_type": "gemma3"}, "? (model_type 'gemma3')"),
+], ids=["qwen2.5-vl", "llava-onevision", "no-architectures"])
+def test_a_checkpoint_of_another_family_is_refused_by_name(tmp_path: Path, raw: dict[str, Any], named: str) -> None:
+    # A vision_config with Qwen3-VL's own keys: only the architecture tells the families apart.
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "vision_config": dict(TINY)}))
+    with pytest.raises(ConfigError, match="is not a Qwen3-VL checkpoint") as info:
+        load_encoder(str(tmp_path))
+    assert named in str(info.value)
+
+
 def test_stills_rows_of_one_frame_match_transformers_on_the_repeated_frame(tmp_path: Path) -> None:
     # Images as the preprocessing hands them over (ProcessedItem.repeat 2: each patch once, half the
     # width) give transformers' rows for the Hugging Face input, which repeats the frame.
