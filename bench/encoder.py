@@ -212,8 +212,8 @@ def run_preset(name: str, args: argparse.Namespace, wanted: set[str]) -> dict[st
         if path_name in wanted:
             serving[path_name] = calls[path_name] = ServingPath(encoder, items, backend)
             rows_of[path_name] = serving[path_name].rows
-    matmuls = Matmuls(encoder, items)
-    if "matmuls" in wanted:
+    matmuls = Matmuls(encoder, items) if "matmuls" in wanted else None
+    if matmuls is not None:
         calls["matmuls"] = matmuls
 
     first_call_s: dict[str, float] = {}
@@ -246,11 +246,14 @@ def run_preset(name: str, args: argparse.Namespace, wanted: set[str]) -> dict[st
               f"{tokens / median_ms[path_name] * 1e3:8.0f} tokens/s, first call {first_call_s[path_name]} s{extra}",
               flush=True)
     base = median_ms["transformers"]
-    bound_ms = None
-    if "matmuls" in median_ms:
+    floor: dict[str, float] = {}
+    if matmuls is not None:
         bound_ms = median_ms["matmuls"] * (1 + matmuls.attention_flops / matmuls.flops)
         print(f"  {'matmuls + attention at their rate':>28}: {bound_ms:9.1f} ms "
               f"({matmuls.flops / median_ms['matmuls'] / 1e6:.0f} GFLOP/s)", flush=True)
+        floor = {"floor_ratio": round(base / median_ms["matmuls"], 3), "bound_ratio": round(base / bound_ms, 3),
+                 "matmul_gflops": round(matmuls.flops / 1e9, 1),
+                 "attention_gflops": round(matmuls.attention_flops / 1e9, 1)}
     cfg = encoder.config
     return {
         "config": {"depth": cfg.depth, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
@@ -265,10 +268,7 @@ def run_preset(name: str, args: argparse.Namespace, wanted: set[str]) -> dict[st
         "padding": padding,
         "ratio_vs_transformers": {n: round(base / ms, 3) for n, ms in median_ms.items()
                                   if n not in ("transformers", "matmuls")},
-        "floor_ratio": round(base / median_ms["matmuls"], 3) if "matmuls" in median_ms else None,
-        "bound_ratio": round(base / bound_ms, 3) if bound_ms else None,
-        "matmul_gflops": round(matmuls.flops / 1e9, 1),
-        "attention_gflops": round(matmuls.attention_flops / 1e9, 1),
+        **floor,
     }
 
 

@@ -311,12 +311,15 @@ class Proxy:
                 self._served = await self._ask_models(request)
             return self._served
 
+    def _backend_order(self) -> list[str]:
+        """Every backend's base URL, from the next one in the round robin on."""
+        start, count = next(self._backends), len(self.cfg.backends)
+        return [self.cfg.backends[(start + k) % count].rstrip("/") for k in range(count)]
+
     async def _ask_models(self, request: web.Request) -> list[str]:
         assert self._session is not None
         errors: list[str] = []
-        start = next(self._backends)
-        for k in range(len(self.cfg.backends)):
-            base = self.cfg.backends[(start + k) % len(self.cfg.backends)].rstrip("/")
+        for base in self._backend_order():
             try:
                 async with self._session.get(base + "/v1/models", headers=_passed_headers(request),
                                              timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)) as resp:
@@ -444,9 +447,7 @@ class Proxy:
         assert client is not None or not placements
         headers = _passed_headers(request)
         errors: list[str] = []
-        start = next(self._backends)
-        for k in range(len(self.cfg.backends)):
-            base = self.cfg.backends[(start + k) % len(self.cfg.backends)].rstrip("/")
+        for base in self._backend_order():
             try:
                 resp = await self._session.request(method, base + path, json=body, headers=headers)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:

@@ -53,6 +53,11 @@ CPU_AUTO_BACKEND = "compile"
 ROW_MULTIPLE = 8
 
 
+def padded_tokens(tokens: int, multiple: int, bucket: int) -> int:
+    """The merged tokens a launch of ``tokens`` runs at: up to a multiple of ``multiple``, never past ``bucket``."""
+    return min(-(-tokens // multiple) * multiple, bucket)
+
+
 class Layout(enum.Enum):
     """How a launch's frames lie in its inputs."""
 
@@ -151,7 +156,9 @@ class CompileBackend:
         more tokens than the next smaller bucket and at most ``b``."""
         self._encoder = encoder
         ordered = sorted(set(buckets))
-        self._ranges = {b: (lo + 1, b) for lo, b in zip([0, *ordered], ordered)}
+        # Bucket b's launches: more tokens than the next smaller bucket, at most b, as the runner pads them.
+        self._ranges = {b: (padded_tokens(smaller + 1, self.row_multiple, b), b)
+                        for smaller, b in zip([0, *ordered], ordered)}
         self.frame_slots = ordered[-1]  # a frame holds at least one merged token
         # One compiled graph per bucket; make room for all of them so the
         # last buckets are not silently demoted to eager by the recompile limit.
@@ -171,8 +178,6 @@ class CompileBackend:
             raise ValueError(f"launch of {tokens} merged tokens does not fit bucket {shape.tokens}'s graph "
                              f"({lo} to {hi} tokens)")
         # The row count varies within the bucket's range, nothing else: one graph per bucket.
-        # (The runner pads to a multiple of row_multiple, or to the bucket: never fewer rows.)
-        lo = min(-(-lo // self.row_multiple) * self.row_multiple, hi)
         unit = self._encoder.config.merge_unit
         # Rows go in grouped by merged token ([tokens, merge**2, ...]), so every input's first
         # dimension is the same token count and no guard on its divisibility is needed.

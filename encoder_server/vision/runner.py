@@ -36,7 +36,7 @@ import torch
 
 from common.errors import ConfigError
 from encoder_server.preprocess import ProcessedItem
-from encoder_server.vision.backends import LaunchInputs, Layout, make_backend
+from encoder_server.vision.backends import LaunchInputs, Layout, make_backend, padded_tokens
 from encoder_server.vision.model import VisionEncoder
 from encoder_server.vision.packing import BucketShape, FrameRef, Launch, bucket_shapes, plan_launches
 from encoder_server.vision.positions import frame_interpolation, frame_positions
@@ -271,9 +271,8 @@ class EncoderRunner:
         block_rows = launch.shape.block_tokens * unit
         if frames_layout and not self._pad and launch.blocks:
             # Padded only to the backend's row multiple (a warm-up launch, no frames: the whole bucket).
-            multiple = self._backend.row_multiple
-            tokens = launch.real_tokens if launch.exact else min(
-                -(-launch.real_tokens // multiple) * multiple, launch.shape.tokens)
+            tokens = launch.real_tokens if launch.exact else padded_tokens(
+                launch.real_tokens, self._backend.row_multiple, launch.shape.tokens)
             total = tokens * unit
         else:
             total = launch.shape.tokens * unit

@@ -26,11 +26,12 @@ TINY = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=64, out_hidd
 GRIDS = torch.tensor([[1, 4, 6], [2, 8, 4], [1, 2, 2], [1, 10, 2]])
 
 
-def hf_model(**overrides: object) -> tuple[object, object]:
-    config = qwen3_vl_config.Qwen3VLVisionConfig(**{**TINY, **overrides})
+def hf_model(config_cls: Any = None, model_cls: Any = None, **overrides: object) -> tuple[object, object]:
+    """A transformers tower (Qwen3-VL's unless classes are given) with every parameter randomized."""
+    config = (config_cls or qwen3_vl_config.Qwen3VLVisionConfig)(**{**TINY, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(1234)
-    model = qwen3_vl.Qwen3VLVisionModel(config).eval()
+    model = (model_cls or qwen3_vl.Qwen3VLVisionModel)(config).eval()
     with torch.no_grad():
         # HF initializes norms to 1 and biases to 0; randomize everything so every tensor matters.
         for param in model.parameters():
@@ -38,8 +39,9 @@ def hf_model(**overrides: object) -> tuple[object, object]:
     return config, model
 
 
-def save_checkpoint(path: Path, config: object, model: object, prefix: str = "model.visual.") -> None:
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": config.to_dict()}))
+def save_checkpoint(path: Path, config: object, model: object, prefix: str = "model.visual.",
+                    model_type: str = "qwen3_vl") -> None:
+    (path / "config.json").write_text(json.dumps({"model_type": model_type, "vision_config": config.to_dict()}))
     tensors = {prefix + k: v.contiguous() for k, v in model.state_dict().items()}  # type: ignore[attr-defined]
     tensors["model.language_model.embed_tokens.weight"] = torch.zeros(8, 4)  # must be ignored
     save_file(tensors, str(path / "model.safetensors"))
@@ -76,18 +78,8 @@ def test_a_qwen3_vl_moe_checkpoints_tower_matches_transformers(tmp_path: Path) -
     """The mixture-of-experts Qwen3-VL checkpoints (30B-A3B, 235B-A22B) share the dense ones' tower."""
     moe_config = pytest.importorskip("transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe")
     moe = pytest.importorskip("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe")
-    config = moe_config.Qwen3VLMoeVisionConfig(**TINY)
-    config._attn_implementation = "eager"
-    torch.manual_seed(4321)
-    model = moe.Qwen3VLMoeVisionModel(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.2)
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"],
-        "vision_config": config.to_dict()}))
-    save_file({"model.visual." + k: v.contiguous() for k, v in model.state_dict().items()},
-              str(tmp_path / "model.safetensors"))
+    config, model = hf_model(moe_config.Qwen3VLMoeVisionConfig, moe.Qwen3VLMoeVisionModel)
+    save_checkpoint(tmp_path, config, model, model_type="qwen3_vl_moe")
     encoder = load_encoder(str(tmp_path))
     pixel_values = torch.randn(int(GRIDS.prod(-1).sum()), encoder.config.patch_dim,
                                generator=torch.Generator().manual_seed(6))
