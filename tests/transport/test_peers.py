@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -14,11 +13,8 @@ import torch
 from common.errors import HandshakeError, PeerDisconnected, TransportError
 from common.transport import ConsumerTransport
 from common.wire import pb2
+from tests.support.deadlines import soon
 from tests.transport.harness import LocalProducer, local_producer, reference_block
-
-
-def soon(seconds: float = 5.0) -> float:
-    return time.monotonic() + seconds
 
 
 @pytest.fixture(scope="module")
