@@ -187,8 +187,16 @@ class EncoderServerConfig:
         TransportKind.AUTO, env="EPD_TRANSPORT", help="nixl, mock, or auto (nixl when installed)")
     weights: str | None = setting(
         None, env="EPD_WEIGHTS",
-        help="Hugging Face Qwen3-VL checkpoint directory (model_type qwen3_vl or qwen3_vl_moe; another "
-             "family's is refused at start, naming its architecture); random tiny encoder when unset")
+        help="Hugging Face checkpoint directory of the served model: Qwen3-VL (model_type qwen3_vl or "
+             "qwen3_vl_moe) for epd-cache's own tower, any vision-language model vLLM serves for --tower vllm; "
+             "random tiny Qwen3-VL encoder when unset")
+    tower: str = setting(
+        "auto", env="EPD_TOWER",
+        help="what computes the rows: qwen3vl (epd-cache's own Qwen3-VL tower, the fast CPU and Neuron path), "
+             "vllm (the checkpoint's own multimodal encoder and processor, loaded through vLLM without its "
+             "language model: every VLM vLLM serves), or auto (qwen3vl for Qwen3-VL checkpoints and no "
+             "--weights, vllm for any other architecture vLLM knows; another checkpoint is refused at start, "
+             "naming its architecture)")
     device: str = setting("cpu", env="EPD_DEVICE", help="torch device for the encoder and the cache")
     encoder_backend: str = setting(
         "auto", env="EPD_ENCODER_BACKEND",
@@ -249,6 +257,9 @@ class EncoderServerConfig:
         _require(-1 <= self.health_port < 65536, "health_port", self.health_port, "must be in -1..65535")
         _require(self.encoder_backend in ("auto", "eager", "compile", "neuron"), "encoder_backend",
                  self.encoder_backend, "must be auto, eager, compile or neuron")
+        _require(self.tower in ("auto", "qwen3vl", "vllm"), "tower", self.tower, "must be auto, qwen3vl or vllm")
+        _require(self.tower != "vllm" or self.weights is not None, "tower", self.tower,
+                 "needs --weights (the checkpoint vLLM loads)")
         _require(self.attention_kernel in ("auto", "native", "sdpa"), "attention_kernel",
                  self.attention_kernel, "must be auto, native or sdpa")
         _require(self.input_cache_bytes >= 0, "input_cache_bytes", self.input_cache_bytes, "must be >= 0")

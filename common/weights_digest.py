@@ -28,13 +28,24 @@ import torch
 from common.errors import ConfigError
 
 VISION_PREFIXES = ("model.visual.", "visual.")
+# Other families' vision towers and projectors (LLaVA, Gemma 3, Idefics3, InternVL, Mistral 3, ...):
+# their names keep the module, since a tower and a projector may both own a "linear_1".
+TOWER_MODULES = ("vision_tower.", "multi_modal_projector.", "vision_model.", "connector.", "mlp1.",
+                 "vision_embed_tokens.", "image_newline", "vision_resampler.", "embed_vision.")
 PREFIX = "b3:"
 
 
 def vision_name(key: str) -> str | None:
-    """The tower's own name of checkpoint tensor ``key``, or None when it is not a vision tensor."""
+    """The tower's own name of checkpoint tensor ``key``, or None when it is not a vision tensor.
+
+    Qwen-VL's ``visual.`` tensors are named without it (digests made before other families
+    were served stay the same); another family's keep their module, less a leading ``model.``.
+    """
     prefix = next((p for p in VISION_PREFIXES if key.startswith(p)), None)
-    return None if prefix is None else key[len(prefix):]
+    if prefix is not None:
+        return key[len(prefix):]
+    name = key.removeprefix("model.")
+    return name if name.startswith(TOWER_MODULES) else None
 
 
 def tensor_entry(tensor: torch.Tensor) -> str:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -46,7 +46,7 @@ from common.errors import (
 from common.fingerprint import cached_fingerprint
 from common.metrics import EncoderMetrics
 from encoder_server.cache_blocks import EncoderCacheBlocks, Lease
-from encoder_server.preprocess import Preprocessor, ProcessedItem
+from common.placeholder import ItemMeta
 from encoder_server.vision import default_tokens_per_block
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,27 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_S = 120.0
 
 
+class ProcessedItem(Protocol):
+    """An item ready for the tower: what the engine reads of it (the tower reads the rest)."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def meta(self) -> ItemMeta: ...
+
+
+class Preprocessor(Protocol):
+    """Bytes -> the tower's processed item; thread-safe (it runs on the preprocessing threads)."""
+
+    def image(self, data: bytes, *, item: str = "image") -> ProcessedItem: ...
+
+    def video(self, frames: Sequence[bytes], *, fps: float | None = None, item: str = "video") -> ProcessedItem: ...
+
+
 class Runner(Protocol):
     """What the engine needs from the aliased encoder graph."""
 
@@ -63,7 +84,7 @@ class Runner(Protocol):
 
     def write(
         self,
-        items: Sequence[ProcessedItem],
+        items: Sequence[Any],
         block_ids: Sequence[Sequence[int]],
         tokens_per_block: Sequence[Sequence[int]],
         buffer: torch.Tensor,
@@ -96,7 +117,7 @@ class Located:
     generation: int
     lease: Lease
     hit: bool
-    grid_thw: tuple[int, ...] = ()
+    meta: ItemMeta = ItemMeta()
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +128,7 @@ class Failed:
     error: EpdError
 
 
-def _located(mm_hash: str, lease: Lease, grid_thw: tuple[int, ...], *, hit: bool) -> Located:
+def _located(mm_hash: str, lease: Lease, meta: ItemMeta, *, hit: bool) -> Located:
     """The answer for an item: exactly the allocation ``lease`` pinned."""
     alloc = lease.allocation
     return Located(
@@ -119,7 +140,7 @@ def _located(mm_hash: str, lease: Lease, grid_thw: tuple[int, ...], *, hit: bool
         generation=alloc.generation,
         lease=lease,
         hit=hit,
-        grid_thw=grid_thw,
+        meta=meta,
     )
 
 
@@ -138,7 +159,7 @@ class _Flight:
     """One scheduled encoder run of one item, and every request waiting for it."""
 
     future: asyncio.Future[None]
-    grid_thw: tuple[int, ...]
+    meta: ItemMeta
     waiters: list[_Waiter] = field(default_factory=list)
     owner: _Waiter | None = None  # the request whose miss scheduled the run
 
@@ -169,7 +190,7 @@ class _InputCache:
 
     @staticmethod
     def _size(item: ProcessedItem) -> int:
-        return item.pixel_values.numel() * item.pixel_values.element_size()
+        return item.nbytes
 
     def get(self, key: str) -> ProcessedItem | None:
         item = self._items.get(key)
@@ -225,8 +246,8 @@ class EncoderEngine:
         # One thread owns the encoder graph: runs are serialized, batches form while it is busy.
         self._encoder_pool = ThreadPoolExecutor(1, thread_name_prefix="epd-encoder")
         self._inflight: dict[str, _Flight] = {}
-        # grid_thw of each cached item, for the response; pruned in housekeeping().
-        self._grids: dict[str, tuple[int, ...]] = {}
+        # The metadata of each cached item, for the response; pruned in housekeeping().
+        self._metas: dict[str, ItemMeta] = {}
         self._pending: collections.deque[_Job] = collections.deque()  # misses waiting for a run
         self._queued_tokens = 0  # merged tokens of the misses waiting or running (epd_encoder_queue_tokens)
         self._wake: asyncio.Event | None = None
@@ -288,7 +309,7 @@ class EncoderEngine:
         hashes = [self.mm_hash(c) for c in content]
 
         leases: dict[str, Lease] = {}
-        grids: dict[str, tuple[int, ...]] = {}
+        metas: dict[str, ItemMeta] = {}
         waiters: dict[str, _Waiter] = {}
         errors: dict[str, EpdError] = {}
         misses: dict[str, int] = {}  # mm_hash -> index of the first item carrying it
@@ -302,14 +323,14 @@ class EncoderEngine:
                     waiters[h] = flight.join(consumer_id)
                     continue
                 # Pin a hit before anything below may evict to make room for misses.
-                if not self._pin_hit(h, consumer_id, leases, grids):
+                if not self._pin_hit(h, consumer_id, leases, metas):
                     misses[h] = i
 
             processed = await self._preprocess(items, content, misses, hashes, errors)
             self._refuse_oversized(processed, errors)
             if processed:
                 async with self._admit_lock:
-                    jobs = self._admit(processed, consumer_id, waiters, leases, grids)
+                    jobs = self._admit(processed, consumer_id, waiters, leases, metas)
                 self.metrics.device_misses.inc(len(jobs))
                 self._enqueue(jobs)
             for h, waiter in waiters.items():
@@ -323,24 +344,24 @@ class EncoderEngine:
                     errors[h] = ItemLostError(f"mm_hash {h} was evicted before it could be leased; retry")
                 else:
                     leases[h] = waiter.lease
-                    grids[h] = waiter.flight.grid_thw
+                    metas[h] = waiter.flight.meta
         except BaseException:
             self._abandon(leases, waiters)
             raise
 
         fresh = {h for h, w in waiters.items() if w.flight.owner is w}
-        located = {h: self._hand_out(h, lease, grids[h], hit=h not in fresh) for h, lease in leases.items()}
+        located = {h: self._hand_out(h, lease, metas[h], hit=h not in fresh) for h, lease in leases.items()}
         located.update((h, Failed(h, err)) for h, err in errors.items())
         out = [located[h] for h in hashes]
         self.update_gauges()
         return out
 
-    def _hand_out(self, mm_hash: str, lease: Lease, grid_thw: tuple[int, ...], *, hit: bool) -> Located | Failed:
+    def _hand_out(self, mm_hash: str, lease: Lease, meta: ItemMeta, *, hit: bool) -> Located | Failed:
         """Start a pending lease's ttl and build the location it pinned; a typed error if it ended."""
         started = self.cache.start_lease(lease.lease_id)
         if started is None:
             return Failed(mm_hash, ItemLostError(f"mm_hash {mm_hash}: its lease ended while the request ran; retry"))
-        return _located(mm_hash, started, grid_thw, hit=hit)
+        return _located(mm_hash, started, meta, hit=hit)
 
     def _refuse_oversized(self, processed: dict[str, ProcessedItem], errors: dict[str, EpdError]) -> None:
         """An item larger than the whole cache can never be admitted: a per-item error, not a stall."""
@@ -368,7 +389,7 @@ class EncoderEngine:
             if lease is None:
                 out.append(Failed(h, NotFoundError(f"mm_hash {h} is not in the encoder cache")))
             else:
-                out.append(_located(h, lease, self._grids.get(h, ()), hit=True))
+                out.append(_located(h, lease, self._metas.get(h, ItemMeta()), hit=True))
         return out
 
     def release(self, lease_ids: Sequence[int], consumer_id: str | None) -> int:
@@ -386,8 +407,8 @@ class EncoderEngine:
             self.metrics.leases_expired.inc(expired - self._expired_counted)
             self._expired_counted = expired
         self.cache.reclaim_held()
-        for h in [h for h in self._grids if not self.cache.contains(h)]:
-            del self._grids[h]
+        for h in [h for h in self._metas if not self.cache.contains(h)]:
+            del self._metas[h]
         self.update_gauges()
 
     def update_gauges(self) -> None:
@@ -437,7 +458,7 @@ class EncoderEngine:
 
     def _admit(
         self, processed: dict[str, ProcessedItem], consumer_id: str, waiters: dict[str, _Waiter],
-        leases: dict[str, Lease], grids: dict[str, tuple[int, ...]],
+        leases: dict[str, Lease], metas: dict[str, ItemMeta],
     ) -> list[_Job]:
         """Allocate blocks for every miss, all or nothing; runs under the admission lock.
 
@@ -451,7 +472,7 @@ class EncoderEngine:
             flight = self._inflight.get(h)
             if flight is not None:  # another request admitted it while we decoded
                 waiters[h] = flight.join(consumer_id)
-            elif not self._pin_hit(h, consumer_id, leases, grids):  # ... or even finished it
+            elif not self._pin_hit(h, consumer_id, leases, metas):  # ... or even finished it
                 todo[h] = item
         if not todo:
             return []
@@ -474,10 +495,10 @@ class EncoderEngine:
                     raise CacheFullError(
                         f"freed blocks are still inside the {self.cache.min_hold_time_ms} ms hold",
                         retry_after_ms=self._retry_hint_ms())
-                flight = _Flight(loop.create_future(), tuple(item.grid_thw))
+                flight = _Flight(loop.create_future(), item.meta)
                 waiters[h] = flight.join(consumer_id, owner=True)
                 self._inflight[h] = flight
-                self._grids[h] = tuple(item.grid_thw)
+                self._metas[h] = item.meta
                 jobs.append(_Job(h, item, block_ids, plans[h], flight))
         except BaseException:
             for job in jobs:  # never written, never handed out: straight back to free
@@ -488,13 +509,13 @@ class EncoderEngine:
         return jobs
 
     def _pin_hit(self, mm_hash: str, consumer_id: str, leases: dict[str, Lease],
-                 grids: dict[str, tuple[int, ...]]) -> bool:
+                 metas: dict[str, ItemMeta]) -> bool:
         """Lease a cached item, pending, into ``leases``; ``False`` if it is absent or unwritten."""
         lease = self.cache.acquire(mm_hash, owner=consumer_id, pending=True)
         if lease is None:
             return False
         leases[mm_hash] = lease
-        grids[mm_hash] = self._grids.get(mm_hash, ())
+        metas[mm_hash] = self._metas.get(mm_hash, ItemMeta())
         return True
 
     def _fail_runs(self, batch: list[_Job], message: str) -> None:

@@ -33,6 +33,7 @@ from PIL import Image
 
 from common.errors import ConfigError, InvalidMediaError
 from common.media import PreprocessParams, sample_frame_indices, smart_resize
+from common.placeholder import ItemMeta, PlaceholderField
 from encoder_server.media import DEFAULT_FORMATS, decode_image
 
 logger = logging.getLogger(__name__)
@@ -271,6 +272,15 @@ class ProcessedItem:
     num_tokens: int  # t*h*w // merge**2 merged tokens = cache rows
     kind: str  # "image" | "video"
     repeat: int = 1  # temporal copies each row stands for
+
+    @property
+    def nbytes(self) -> int:
+        return self.pixel_values.numel() * self.pixel_values.element_size()
+
+    @property
+    def meta(self) -> ItemMeta:
+        """The grid, as vLLM's Qwen-VL models take it in place of the media (``image_grid_thw``)."""
+        return ItemMeta(self.kind, (PlaceholderField(f"{self.kind}_grid_thw", (3,), self.grid_thw),), self.grid_thw)
 
     def hf_pixel_values(self) -> torch.Tensor:
         """The rows in the Hugging Face convention, ``[t*h*w, 3*T*P*P]`` (a copy when ``repeat`` > 1)."""

@@ -37,6 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -46,6 +47,7 @@ from prometheus_client import start_http_server
 
 from common.config import LIVENESS_SERVICE, READINESS_SERVICE, EncoderServerConfig
 from common.errors import ConfigError
+from common.media import PreprocessParams
 from common.metrics import EncoderMetrics
 from common.wire import SERVICE_NAME, pb2
 from encoder_server.compile_cache import use_compile_cache
@@ -101,6 +103,61 @@ def _read(path: str) -> bytes:
         raise ConfigError(f"cannot read TLS file {path!r}: {exc}") from exc
 
 
+@dataclass
+class _Tower:
+    """What computes the rows, as the server wires it: its preprocessor, runner maker and identity."""
+
+    name: str  # "qwen3vl" | "vllm"
+    out_hidden_size: int
+    deepstack_levels: int
+    preprocessor: Any
+    make_runner: Callable[[int], Any]  # block size -> the engine's runner (may build graphs: slow)
+    params: PreprocessParams
+    fingerprint: str
+    weights_digest: str
+
+
+def _load_tower(cfg: EncoderServerConfig) -> _Tower:
+    """Load the tower ``cfg.tower`` names (``auto``: by the checkpoint's architecture)."""
+    from encoder_server.vllm_tower import resolve_tower
+
+    if resolve_tower(cfg.tower, cfg.weights) == "vllm":
+        return _load_vllm_tower(cfg)
+    from encoder_server.preprocess import PreprocessConfig, Preprocessor
+    from encoder_server.vision import EncoderRunner, load_encoder, native
+
+    encoder = load_encoder(cfg.weights, device=cfg.device)
+    vision = encoder.config
+    preprocess_config = PreprocessConfig.for_encoder(
+        encoder, weights_dir=cfg.weights, max_image_pixels=cfg.max_image_pixels,
+        max_video_frames=cfg.max_video_frames)
+
+    def make_runner(block_size: int) -> EncoderRunner:
+        # The attention kernel before the graphs: a first build takes about a minute, and
+        # with --attention-kernel native a failure ends the start here.
+        native.configure(cfg.attention_kernel, cfg.compile_cache_dir)
+        native.prepare()
+        logger.info("encoder attention: %s", native.describe(vision.head_dim, cfg.device, encoder.dtype))
+        return EncoderRunner(encoder, block_size=block_size, buckets=cfg.encoder_buckets,
+                             backend=cfg.encoder_backend)
+
+    return _Tower("qwen3vl", vision.out_hidden_size, vision.num_deepstack_levels, Preprocessor(preprocess_config),
+                  make_runner, preprocess_config.params(), preprocess_config.fingerprint(), encoder.weights_digest)
+
+
+def _load_vllm_tower(cfg: EncoderServerConfig) -> _Tower:
+    from common.layout import parse_dtype
+    from encoder_server.vllm_tower import VllmRunner, VllmTower
+
+    assert cfg.weights is not None  # the config refuses --tower vllm without --weights
+    tower = VllmTower.load(cfg.weights, device=cfg.device, dtype=parse_dtype(cfg.cache.dtype),
+                           max_image_pixels=cfg.max_image_pixels, max_video_frames=cfg.max_video_frames)
+    return _Tower("vllm", tower.embeds_size, tower.deepstack_levels, tower,
+                  lambda block_size: VllmRunner(tower, block_size=block_size,
+                                                max_batch_tokens=max(cfg.encode_batch_tokens, 1)),
+                  PreprocessParams(0, 0, 0, 0, 0), tower.fingerprint(), tower.weights_digest)
+
+
 class WarmupAbandoned(Exception):
     """The warm-up stopped because the process is shutting down (:meth:`EncoderServer.abandon_warm_up`)."""
 
@@ -126,6 +183,7 @@ class EncoderServer:
         self._stopped = asyncio.Event()
         self._preprocess_proto: pb2.PreprocessParams | None = None
         self._weights_digest = ""
+        self._tower = ""
         self.engine: EncoderEngine | None = None
         self.servicer: EncoderCacheServicer | None = None
         self.transport: ProducerTransport | None = None
@@ -173,16 +231,10 @@ class EncoderServer:
         from common.transport import ProducerTransport, resolve_transport_kind
         from encoder_server.cache_blocks import EncoderCacheBlocks
         from encoder_server.engine import EncoderEngine
-        from encoder_server.preprocess import PreprocessConfig, Preprocessor
         from encoder_server.service import EncoderCacheServicer, params_to_proto
-        from encoder_server.vision import EncoderRunner, load_encoder, native
 
-        encoder = await asyncio.to_thread(load_encoder, cfg.weights, device=cfg.device)
-        vision = encoder.config
-        layout = cfg.cache.layout(vision.out_hidden_size, vision.num_deepstack_levels)
-        preprocess_config = PreprocessConfig.for_encoder(
-            encoder, weights_dir=cfg.weights,
-            max_image_pixels=cfg.max_image_pixels, max_video_frames=cfg.max_video_frames)
+        tower = await asyncio.to_thread(_load_tower, cfg)
+        layout = cfg.cache.layout(tower.out_hidden_size, tower.deepstack_levels)
 
         self._step("registering the cache")
         self.transport_kind = await asyncio.to_thread(resolve_transport_kind, cfg.transport)
@@ -196,17 +248,11 @@ class EncoderServer:
         await asyncio.to_thread(
             self.transport.register, self.cache.buffer, self.cache.stamps)
 
-        # The attention kernel before the graphs: a first build takes about a minute, and
-        # with --attention-kernel native a failure ends the start here.
-        self._step("preparing the attention kernel")
-        native.configure(cfg.attention_kernel, cfg.compile_cache_dir)
-        await asyncio.to_thread(native.prepare)
-        logger.info("encoder attention: %s", native.describe(vision.head_dim, cfg.device, encoder.dtype))
-        runner = EncoderRunner(encoder, block_size=layout.block_size, buckets=cfg.encoder_buckets,
-                               backend=cfg.encoder_backend)
-        preprocessor = Preprocessor(preprocess_config)
-        self._preprocess_proto = params_to_proto(preprocess_config.params(), preprocess_config.fingerprint())
-        self._weights_digest = encoder.weights_digest
+        runner = await asyncio.to_thread(tower.make_runner, layout.block_size)
+        preprocessor = tower.preprocessor
+        self._preprocess_proto = params_to_proto(tower.params, tower.fingerprint)
+        self._weights_digest = tower.weights_digest
+        self._tower = tower.name
         total = len(runner.buckets)
         self.metrics.warmup_buckets.set(total)
         self.metrics.warmup_buckets_ready.set(0)
@@ -218,7 +264,7 @@ class EncoderServer:
         self._step("starting the engine")
         self.engine = EncoderEngine(
             cache=self.cache, preprocessor=preprocessor, runner=runner, metrics=self.metrics,
-            model_id=cfg.model_id, preprocess_fingerprint=preprocess_config.fingerprint(),
+            model_id=cfg.model_id, preprocess_fingerprint=tower.fingerprint,
             input_cache_bytes=cfg.input_cache_bytes, preprocess_workers=cfg.encode_workers,
             batch_tokens=cfg.encode_batch_tokens)
         await self.engine.start()
@@ -294,7 +340,7 @@ class EncoderServer:
         assert self.transport is not None and self._preprocess_proto is not None
         return self.transport.fill_handshake(
             pb2.HandshakeResponse(preprocess=self._preprocess_proto, weights_digest=self._weights_digest,
-                                  encoder_id=self.encoder_id))
+                                  encoder_id=self.encoder_id, tower=self._tower))
 
     # --- background --------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from common.errors import (
 from common.layout import CacheLayout, dtype_name
 from common.media import PreprocessParams
 from common.metrics import EncoderMetrics
+from common.placeholder import to_proto as placeholder_to_proto
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc
 from encoder_server.call_leases import MAX_CALL_ID_CHARS, CallLeases
 from encoder_server.encode_request import EncodeView, ItemView
@@ -340,6 +341,8 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
                 lease_id=lease.lease_id,
                 lease_expiry_unix_ms=max(0, expiry_unix_ms),
                 result=pb2.CACHE_RESULT_HIT if result.hit else pb2.CACHE_RESULT_MISS,
-                grid_thw=result.grid_thw,
+                grid_thw=result.meta.grid_thw,
+                placeholder=placeholder_to_proto(result.meta.placeholder),
+                modality=result.meta.modality,
             ),
         )

@@ -57,6 +57,8 @@ from common.errors import (
 )
 from common.media import PreprocessParams
 from common.metrics import PrefillMetrics
+from common.placeholder import PlaceholderField
+from common.placeholder import from_proto as placeholder_from_proto
 from common.transport import ConsumerTransport
 from common.wire import pb2
 from prefill_client.encoder_conn import EncoderConnection, MediaSpec
@@ -113,6 +115,11 @@ class Placement:
     @property
     def grid_thw(self) -> tuple[int, ...]:
         return tuple(self.location.grid_thw)
+
+    @property
+    def placeholder(self) -> tuple[PlaceholderField, ...]:
+        """The fields that size the item's placeholders in the engine (see :mod:`common.placeholder`)."""
+        return placeholder_from_proto(self.location.placeholder)
 
     @property
     def num_tokens(self) -> int:

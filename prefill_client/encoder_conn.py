@@ -213,7 +213,8 @@ class EncoderConnection:
         self._peer: ProducerPeer | None = None
         self.incarnation_id = ""
         self._layout: CacheLayout | None = None
-        self._media: tuple[media.PreprocessParams, str] | None = None
+        self._media: tuple[media.PreprocessParams | None, str] | None = None
+        self.tower = ""
 
     @staticmethod
     def _open_channel(target: str, tls: TlsConfig) -> grpc.Channel:
@@ -246,7 +247,13 @@ class EncoderConnection:
         """The encoder's preprocessing parameters and their fingerprint (from the handshake)."""
         self.peer()
         assert self._media is not None
-        return self._media
+        params, fingerprint = self._media
+        if params is None:
+            raise HandshakeError(
+                f"encoder {self.target} runs the {self.tower} tower: its items' token counts come from the "
+                f"model's own processor, not from parameters a consumer can apply (serve it through vLLM "
+                f"with EpdCacheConnector)")
+        return params, fingerprint
 
     def peer(self) -> ProducerPeer:
         """The NIXL peer of the current incarnation, handshaking first if needed."""
@@ -283,7 +290,10 @@ class EncoderConnection:
         self.weights_digest = resp.weights_digest
         self.encoder_id = resp.encoder_id
         self._layout = layout
-        self._media = (params_from_proto(resp.preprocess), resp.preprocess.fingerprint)
+        self.tower = resp.tower or "qwen3vl"
+        # The vLLM tower's preprocessing is the model's processor: no parameters to announce.
+        params = None if resp.tower == "vllm" else params_from_proto(resp.preprocess)
+        self._media = (params, resp.preprocess.fingerprint)
         self.incarnation_id = resp.incarnation_id
         self.metrics.handshakes.labels(result="ok").inc()
         logger.info("handshook with encoder %s (incarnation %s, transport %s, vision weights %s)",

@@ -6,11 +6,16 @@ a ``file://`` URL only under ``--allow-local-media``; an ``http(s)://`` URL only
 (``data:video/jpeg;base64,FRAME,FRAME,...``, at ``media_io_kwargs.video.fps``, default 1). All of
 the request's media are sent in one ``Encode`` per encoder (rendezvous routing over the encoder
 pool, fail-over included). Each part is then rewritten into vLLM's embeddings form without a
-tensor::
+tensor, from the placeholder metadata the encoder answered for the item (whatever fields the
+model declares; Qwen-VL's grid here)::
 
     {"type": "image_embeds", "image_embeds": {"image_grid_thw": [t, h, w]}, "uuid": MM_HASH}
     {"type": "video_embeds", "video_embeds": {"video_grid_thw": [t, h, w], "timestamps": [...]},
      "uuid": MM_HASH}
+
+A model that sizes its placeholders from the media itself (no metadata: LLaVA, Gemma 3, ...)
+gets the media the encoder encoded, as a data URL, with ``"uuid": MM_HASH``: vLLM's processor
+counts the placeholders, and the rows still come from the encoder.
 
 and the leased locations go in the request's ``ec_transfer_params``
 (:mod:`prefill_client.vllm.params`), where the backend's ``EpdCacheConnector`` finds them and
@@ -37,6 +42,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import io
 import itertools
 import json
 import logging
@@ -52,6 +58,7 @@ from urllib.parse import unquote, urlparse
 import aiohttp
 import grpc
 from aiohttp import web
+from PIL import Image
 
 from common.config import ProxyConfig, add_arguments, build
 from common.errors import (
@@ -65,6 +72,7 @@ from common.errors import (
     LoadFailureReason,
     WeightsMismatchError,
 )
+from common.placeholder import as_json
 from prefill_client.client import EncoderCacheClient, Placement
 from prefill_client.encoder_conn import MediaSpec
 from prefill_client.vllm.params import KEY as PARAMS_KEY
@@ -102,13 +110,37 @@ class _Part:
         self.content, self.index, self.label, self.spec, self.fps = content, index, label, spec, fps
 
     def rewritten(self, placed: Placement) -> dict[str, Any]:
-        """vLLM's embeddings form of this part, without the tensor: what sizes its placeholders."""
-        if self.spec.kind == "image":
-            return {"type": "image_embeds", "image_embeds": {"image_grid_thw": list(placed.grid_thw)},
-                    "uuid": placed.mm_hash}
-        grid = list(placed.grid_thw)
-        return {"type": "video_embeds", "uuid": placed.mm_hash, "video_embeds": {
-            "video_grid_thw": grid, "timestamps": video_timestamps(len(self.spec.frames), self.fps, grid[0])}}
+        """The part as the backend gets it, named by ``uuid = mm_hash`` (the connector's identifier).
+
+        With placeholder metadata from the encoder: vLLM's embeddings form without the tensor
+        (``{"type": "image_embeds", "image_embeds": {FIELD: VALUE, ...}}``), whatever the
+        fields. Without (a model that sizes its placeholders from the media itself): the media
+        the encoder encoded, as a data URL, for vLLM's processor to count the placeholders.
+        """
+        kind = self.spec.kind
+        # An encoder of before placeholder fields answers the Qwen grid alone.
+        fields = as_json(placed.placeholder) or (
+            {f"{kind}_grid_thw": list(placed.grid_thw)} if placed.grid_thw else {})
+        if not fields:
+            if kind == "image":
+                return {"type": "image_url", "image_url": {"url": _data_url(self.spec.frames[0])},
+                        "uuid": placed.mm_hash}
+            return {**self.content[self.index], "uuid": placed.mm_hash}
+        if kind == "video" and "video_grid_thw" in fields and "timestamps" not in fields:
+            # epd-cache's Qwen3-VL tower encodes the frames without the request's frame rate:
+            # the "<t seconds>" of each temporal patch come from it here.
+            fields["timestamps"] = video_timestamps(len(self.spec.frames), self.fps, fields["video_grid_thw"][0])
+        return {"type": f"{kind}_embeds", f"{kind}_embeds": fields, "uuid": placed.mm_hash}
+
+
+def _data_url(data: bytes) -> str:
+    """``data:image/FORMAT;base64,...`` of encoded image bytes (the format from their header)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            fmt = (image.format or "png").lower()
+    except (OSError, ValueError):
+        fmt = "png"  # the encoder decoded it; the backend's decoder reads the bytes, not the name
+    return f"data:image/{fmt};base64,{base64.b64encode(data).decode()}"
 
 
 def video_timestamps(num_frames: int, fps: float, grid_t: int) -> list[float]:

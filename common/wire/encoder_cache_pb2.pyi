@@ -83,7 +83,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., consumer_id: _Optional[str] = ..., expected_layout: _Optional[_Union[CacheLayout, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "incarnation_id", "agent_name", "agent_metadata", "layout", "buffer_region", "min_hold_ms", "lease_ttl_ms", "compatibility_hash", "transport", "preprocess", "stamp_region", "weights_digest", "encoder_id")
+    __slots__ = ("protocol_version", "model_id", "incarnation_id", "agent_name", "agent_metadata", "layout", "buffer_region", "min_hold_ms", "lease_ttl_ms", "compatibility_hash", "transport", "preprocess", "stamp_region", "weights_digest", "encoder_id", "tower")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class HandshakeResponse(_message.Message):
     STAMP_REGION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOWER_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     incarnation_id: str
@@ -114,7 +115,8 @@ class HandshakeResponse(_message.Message):
     stamp_region: MemoryRegion
     weights_digest: str
     encoder_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., buffer_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., min_hold_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., transport: _Optional[str] = ..., preprocess: _Optional[_Union[PreprocessParams, _Mapping]] = ..., stamp_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., weights_digest: _Optional[str] = ..., encoder_id: _Optional[str] = ...) -> None: ...
+    tower: str
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., buffer_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., min_hold_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., transport: _Optional[str] = ..., preprocess: _Optional[_Union[PreprocessParams, _Mapping]] = ..., stamp_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., weights_digest: _Optional[str] = ..., encoder_id: _Optional[str] = ..., tower: _Optional[str] = ...) -> None: ...
 
 class PreprocessParams(_message.Message):
     __slots__ = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "fingerprint", "video_min_pixels", "video_max_pixels", "video_sample_fps")
@@ -157,7 +159,7 @@ class MediaItem(_message.Message):
     def __init__(self, image: _Optional[bytes] = ..., video: _Optional[_Union[VideoFrames, _Mapping]] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class ItemLocation(_message.Message):
-    __slots__ = ("mm_hash", "block_ids", "tokens_per_block", "num_tokens", "fingerprint", "generation", "lease_id", "lease_expiry_unix_ms", "result", "grid_thw")
+    __slots__ = ("mm_hash", "block_ids", "tokens_per_block", "num_tokens", "fingerprint", "generation", "lease_id", "lease_expiry_unix_ms", "result", "grid_thw", "placeholder", "modality")
     MM_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +170,8 @@ class ItemLocation(_message.Message):
     LEASE_EXPIRY_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    PLACEHOLDER_FIELD_NUMBER: _ClassVar[int]
+    MODALITY_FIELD_NUMBER: _ClassVar[int]
     mm_hash: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens_per_block: _containers.RepeatedScalarFieldContainer[int]
@@ -178,7 +182,33 @@ class ItemLocation(_message.Message):
     lease_expiry_unix_ms: int
     result: CacheResult
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, mm_hash: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., tokens_per_block: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[int] = ..., generation: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_expiry_unix_ms: _Optional[int] = ..., result: _Optional[_Union[CacheResult, str]] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
+    placeholder: _containers.RepeatedCompositeFieldContainer[PlaceholderField]
+    modality: str
+    def __init__(self, mm_hash: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., tokens_per_block: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[int] = ..., generation: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_expiry_unix_ms: _Optional[int] = ..., result: _Optional[_Union[CacheResult, str]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., placeholder: _Optional[_Iterable[_Union[PlaceholderField, _Mapping]]] = ..., modality: _Optional[str] = ...) -> None: ...
+
+class PlaceholderField(_message.Message):
+    __slots__ = ("name", "shape", "ints", "floats")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    INTS_FIELD_NUMBER: _ClassVar[int]
+    FLOATS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    ints: IntValues
+    floats: FloatValues
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., ints: _Optional[_Union[IntValues, _Mapping]] = ..., floats: _Optional[_Union[FloatValues, _Mapping]] = ...) -> None: ...
+
+class IntValues(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, values: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FloatValues(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ItemError(_message.Message):
     __slots__ = ("code", "message", "mm_hash")

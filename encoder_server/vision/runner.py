@@ -59,6 +59,32 @@ def default_tokens_per_block(num_tokens: int, block_size: int) -> list[int]:
     return [block_size] * full + ([rest] if rest else [])
 
 
+def item_rows(index: int, num_tokens: int, blocks: Sequence[int], counts: Sequence[int], block_size: int,
+              num_blocks: int, scratch: int, seen: dict[int, int]) -> torch.Tensor:
+    """Flat buffer row of each of item ``index``'s tokens, after checking its blocks.
+
+    ``seen`` maps the blocks of the batch's earlier items to their item and gains this one's.
+    """
+    if len(blocks) != len(counts) or not blocks:
+        raise ValueError(f"item {index}: {len(blocks)} block ids but {len(counts)} tokens_per_block")
+    if sum(counts) != num_tokens:
+        raise ValueError(f"item {index}: tokens_per_block {list(counts)} sum to {sum(counts)}, "
+                         f"item has {num_tokens} tokens")
+    rows: list[torch.Tensor] = []
+    for block, count in zip(blocks, counts):
+        if not 0 <= block < num_blocks:
+            raise ValueError(f"item {index}: block id {block} is outside [0, {num_blocks})")
+        # The scratch block holds garbage by definition, so writing an item
+        # there (a warm-up run) is allowed; any other block has one owner.
+        if block in seen and block != scratch:
+            raise ValueError(f"block {block} is given to item {seen[block]} and item {index}")
+        if not 0 < count <= block_size:
+            raise ValueError(f"item {index}: block {block} would hold {count} rows, block size is {block_size}")
+        seen[block] = index
+        rows.append(torch.arange(count, dtype=torch.int64) + block * block_size)
+    return torch.cat(rows)
+
+
 class EncoderRunner:
     """Runs the encoder graph over bucketed, block-packed batches into the cache buffer."""
 
@@ -235,25 +261,7 @@ class EncoderRunner:
                 )
             if item.num_tokens != t * h * w // cfg.merge_unit:
                 raise ValueError(f"item {index}: num_tokens {item.num_tokens} != t*h*w/merge^2 of {item.grid_thw}")
-            if len(blocks) != len(counts) or not blocks:
-                raise ValueError(f"item {index}: {len(blocks)} block ids but {len(counts)} tokens_per_block")
-            if sum(counts) != item.num_tokens:
-                raise ValueError(f"item {index}: tokens_per_block {list(counts)} sum to {sum(counts)}, "
-                                 f"item has {item.num_tokens} tokens")
-            rows: list[torch.Tensor] = []
-            for block, count in zip(blocks, counts):
-                if not 0 <= block < num_blocks:
-                    raise ValueError(f"item {index}: block id {block} is outside [0, {num_blocks})")
-                # The scratch block holds garbage by definition, so writing an item
-                # there (a warm-up run) is allowed; any other block has one owner.
-                if block in seen and block != scratch:
-                    raise ValueError(f"block {block} is given to item {seen[block]} and item {index}")
-                if not 0 < count <= self.block_size:
-                    raise ValueError(f"item {index}: block {block} would hold {count} rows, "
-                                     f"block size is {self.block_size}")
-                seen[block] = index
-                rows.append(torch.arange(count, dtype=torch.int64) + block * self.block_size)
-            dests.append(torch.cat(rows))
+            dests.append(item_rows(index, item.num_tokens, blocks, counts, self.block_size, num_blocks, scratch, seen))
         return dests
 
     def _launch_inputs(

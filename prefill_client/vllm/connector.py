@@ -45,6 +45,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from common.config import PrefillConfig, build_from_mapping
 from common.errors import ConfigError, ECLoadFailure, EpdError, LoadFailureReason
 from common.metrics import PrefillMetrics
+from common.vllm_rows import row_width as model_row_width
 from prefill_client.vllm.params import from_params
 
 if TYPE_CHECKING:
@@ -78,13 +79,9 @@ def connector_config(vllm_config: VllmConfig) -> PrefillConfig:
         PrefillConfig, extra, "ec_connector_extra_config", environ)
 
 
-def row_width(vllm_config: VllmConfig) -> int | None:
-    """Width of one encoder row the model expects: out_hidden_size * (1 + deepstack levels)."""
-    vision = getattr(vllm_config.model_config.hf_config, "vision_config", None)
-    out = getattr(vision, "out_hidden_size", None)
-    if out is None:
-        return None
-    return int(out) * (1 + len(getattr(vision, "deepstack_visual_indexes", None) or ()))
+def row_width(vllm_config: VllmConfig) -> int:
+    """Width of one encoder row the model vLLM loaded expects (:func:`common.vllm_rows.row_width`)."""
+    return model_row_width(vllm_config.model_config)
 
 
 class EpdCacheConnector(ECConnectorBase):  # type: ignore[misc]
@@ -267,7 +264,7 @@ class _SchedulerSide:
                     f"{w.num_embeds} (the request's grid does not match the item)")
         if self.width is not None and rows.shape[1] != self.width:
             return (f"item {w.identifier}: rows of width {rows.shape[1]}, the model expects {self.width} "
-                    f"(out_hidden_size x (1 + deepstack levels)); encoder and model disagree")
+                    f"(its input-embedding size x (1 + deepstack levels)); encoder and model disagree")
         return None
 
     def _pull(self, missing: Sequence[_Wanted], placed: Mapping[str, Placement]) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ The whole sequence, on a real process with compiled graphs, is in
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import subprocess
@@ -78,17 +79,32 @@ def test_the_cli_refuses_an_unusable_compile_cache_dir_before_listening(tmp_path
     assert not (tmp_path / "listening.json").exists()
 
 
-def test_the_encoder_refuses_a_checkpoint_of_another_family_naming_its_architecture(tmp_path: Path) -> None:
+def _start_refused(weights: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    return subprocess.run(
+        [sys.executable, "-m", "common.cli", "encoder", "--port", "0", "--metrics-port", "-1", "--transport", "mock",
+         "--weights", str(weights), "--encoder-backend", "eager", *args],
+        cwd=REPO_ROOT, env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=180)
+
+
+def test_our_tower_refuses_a_checkpoint_of_another_family_naming_its_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
         "vision_config": {"depth": 2, "hidden_size": 32, "num_heads": 2}}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "encoder", "--port", "0", "--metrics-port", "-1", "--transport", "mock",
-         "--weights", str(tmp_path), "--encoder-backend", "eager"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = _start_refused(tmp_path, "--tower", "qwen3vl")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Qwen2_5_VLForConditionalGeneration (model_type 'qwen2_5_vl') is not a Qwen3-VL checkpoint" in proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (the vLLM tower)")
+def test_an_architecture_vllm_does_not_know_is_refused_at_start_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["SeeingLlamaForConditionalGeneration"],
+        "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 1,
+        "num_key_value_heads": 2, "vocab_size": 300}))
+    proc = _start_refused(tmp_path)  # --tower auto: not Qwen3-VL, so the vLLM tower
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "architecture SeeingLlamaForConditionalGeneration" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_while_warming_up_health_answers_and_every_cache_rpc_is_refused() -> None:
