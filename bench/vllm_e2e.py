@@ -50,8 +50,8 @@ from tests.support.vllm_stack import (  # noqa: E402
 MODEL = "tiny-qwen3-vl"
 
 
-def ttft_ms(base_url: str, url: str, max_tokens: int) -> float:
-    body = chat_body(MODEL, [url], "describe the picture", max_tokens=max_tokens, stream=True)
+def ttft_ms(base_url: str, url: str, max_tokens: int, model: str = MODEL) -> float:
+    body = chat_body(model, [url], "describe the picture", max_tokens=max_tokens, stream=True)
     started = time.perf_counter()
     with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=120.0) as resp:
         if resp.status_code != 200:

@@ -190,7 +190,8 @@ class VllmTower:
                                           f"{sorted({d.shape[:2] for d in decoded})}")
         rate = fps if fps is not None and fps > 0 else 1.0
         metadata = {"fps": rate, "duration": len(decoded) / rate, "total_num_frames": len(decoded),
-                    "frames_indices": list(range(len(decoded))), "video_backend": "epd", "do_sample_frames": False}
+                    "frames_indices": list(range(len(decoded))), "video_backend": "jpeg_sequence",
+                    "do_sample_frames": False}  # what vLLM makes of a frame-sequence data URL
         return self._process("video", (np.stack(decoded), metadata), item)
 
     def warmup_item(self) -> VllmItem:

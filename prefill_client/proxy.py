@@ -109,26 +109,30 @@ class _Part:
     def __init__(self, content: list[Any], index: int, label: str, spec: MediaSpec, fps: float = 0.0) -> None:
         self.content, self.index, self.label, self.spec, self.fps = content, index, label, spec, fps
 
-    def rewritten(self, placed: Placement) -> dict[str, Any]:
+    def rewritten(self, placed: Placement, *, ours: bool = False) -> dict[str, Any]:
         """The part as the backend gets it, named by ``uuid = mm_hash`` (the connector's identifier).
 
         With placeholder metadata from the encoder: vLLM's embeddings form without the tensor
         (``{"type": "image_embeds", "image_embeds": {FIELD: VALUE, ...}}``), whatever the
-        fields. Without (a model that sizes its placeholders from the media itself): the media
-        the encoder encoded, as a data URL, for vLLM's processor to count the placeholders.
+        fields. Without (a model that sizes its placeholders from the media itself), and for a
+        video the vLLM tower encoded: the media the encoder encoded (an image as a data URL, a
+        video as the request gave it), for vLLM's processor to lay out the prompt. ``ours``:
+        the item comes from epd-cache's Qwen3-VL tower.
         """
         kind = self.spec.kind
         # An encoder of before placeholder fields answers the Qwen grid alone.
         fields = as_json(placed.placeholder) or (
             {f"{kind}_grid_thw": list(placed.grid_thw)} if placed.grid_thw else {})
-        if not fields:
+        # A video from vLLM's tower goes as it came: a model's placeholder metadata sizes the range
+        # but may leave out the timing its positions take (Qwen2.5-VL's second_per_grid_ts).
+        if not fields or (kind == "video" and not ours):
             if kind == "image":
                 return {"type": "image_url", "image_url": {"url": _data_url(self.spec.frames[0])},
                         "uuid": placed.mm_hash}
             return {**self.content[self.index], "uuid": placed.mm_hash}
-        if kind == "video" and "video_grid_thw" in fields and "timestamps" not in fields:
-            # epd-cache's Qwen3-VL tower encodes the frames without the request's frame rate:
-            # the "<t seconds>" of each temporal patch come from it here.
+        if ours and kind == "video" and "timestamps" not in fields:
+            # epd-cache's Qwen3-VL tower (``ours``) encodes the frames without the request's frame
+            # rate: the "<t seconds>" Qwen3-VL writes for each temporal patch come from it here.
             fields["timestamps"] = video_timestamps(len(self.spec.frames), self.fps, fields["video_grid_thw"][0])
         return {"type": f"{kind}_embeds", f"{kind}_embeds": fields, "uuid": placed.mm_hash}
 
@@ -306,7 +310,9 @@ class Proxy:
                 placements = await self._place(client, model, source, parts)
                 client.release_placed(_repeats(placements))  # the same image twice: one lease is enough
                 for part, placed in zip(parts, placements):
-                    part.content[part.index] = part.rewritten(placed)
+                    conn = client.connection(placed.encoder)
+                    ours = conn is not None and conn.tower == "qwen3vl"
+                    part.content[part.index] = part.rewritten(placed, ours=ours)
                 params = dict(body.get("ec_transfer_params") or {})
                 params[PARAMS_KEY] = to_params(placements)[PARAMS_KEY]
                 body["ec_transfer_params"] = params

@@ -63,8 +63,11 @@ def start_encoder(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
     log_path = tmp_path / f"{name}.log"
     if ready.exists():
         ready.unlink()
-    # Eager graphs: compiling every bucket at start-up takes minutes on a small CPU box.
-    defaults = [] if "--encoder-backend" in args else ["--encoder-backend", "eager"]
+    # Eager graphs: compiling every bucket at start-up takes minutes on a small CPU box. A short
+    # drain: a test that ends with leases out would otherwise wait the 20 s default at teardown
+    # (the tests of draining give their own).
+    defaults = ([] if "--encoder-backend" in args else ["--encoder-backend", "eager"]) + (
+        [] if "--drain-grace-s" in args else ["--drain-grace-s", "2"])
     cmd = [sys.executable, "-m", "common.cli", "encoder", "--host", "127.0.0.1", "--port", "0",
            "--metrics-port", "0", "--ready-file", str(ready), *defaults, *args]
     full_env = {**os.environ, **(env or {})}

@@ -26,8 +26,9 @@ import httpx
 import numpy as np
 from PIL import Image
 
+from common.weights_digest import checkpoint_digest
 from tests.support.ports import free_port
-from tests.support.procs import terminate
+from tests.support.procs import EncoderProcess, start_encoder, terminate
 
 VLLM_READY_TIMEOUT_S = 300.0
 PROXY_READY_TIMEOUT_S = 60.0
@@ -218,3 +219,56 @@ def chat_body(model: str, urls: Sequence[str], text: str, *, max_tokens: int = 8
     content.append({"type": "text", "text": text})
     return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, "logprobs": True, "prompt_logprobs": 0, "return_token_ids": True, "stream": stream}
+
+
+@dataclass
+class TowerStack:
+    """``epd encoder --tower vllm`` + a consumer vLLM with the connector behind ``epd proxy``, and a
+    plain vLLM of the real checkpoint: one model family, every process real."""
+
+    model: str
+    encoder: EncoderProcess
+    baseline: Server
+    consumer: Server
+    proxy: Server
+    connector_metrics_port: int
+
+    def stop(self) -> None:
+        self.proxy.stop()
+        stop_vllm(self.consumer)
+        stop_vllm(self.baseline)
+        self.encoder.terminate()
+
+
+def start_tower_stack(tmp: Path, model: str, checkpoint: Path, consumer_checkpoint: Path,
+                      *encoder_args: str) -> TowerStack:
+    """Start it all and wait until every server is up; on failure stop what started, then raise.
+
+    ``consumer_checkpoint``: what the consumer vLLM loads (a copy with noise vision weights
+    proves every row came from the encoder). The baseline starts first and loads while the
+    encoder does: most of each start-up is imports and process spawns.
+    """
+    metrics_port = free_port()
+    baseline = launch_vllm(checkpoint, tmp / "vllm-baseline.log", "--served-model-name", model, cpu_core=0)
+    started: list[Server | EncoderProcess] = [baseline]
+    try:
+        encoder = start_encoder(tmp, "--tower", "vllm", "--weights", str(checkpoint), "--cache-dtype", "float32",
+                                "--model-id", model, *encoder_args, env={"HF_HUB_OFFLINE": "1"})
+        started.append(encoder)
+        consumer = launch_vllm(consumer_checkpoint, tmp / "vllm-consumer.log", "--served-model-name", model,
+                               "--ec-transfer-config",
+                               connector_config([encoder.target], model, metrics_port=metrics_port,
+                                                weights_digest=checkpoint_digest(checkpoint)),
+                               cpu_core=1)
+        started.append(consumer)
+        wait_vllm(baseline)
+        wait_vllm(consumer)
+        proxy = start_proxy(tmp / "proxy.log", [encoder.target], [consumer.url])
+    except BaseException:
+        for proc in reversed(started):
+            if isinstance(proc, Server):
+                stop_vllm(proc)
+            else:
+                proc.terminate()
+        raise
+    return TowerStack(model, encoder, baseline, consumer, proxy, metrics_port)

@@ -68,3 +68,13 @@ def test_the_proxy_sends_whatever_fields_the_encoder_answered_and_the_media_when
     assert url.startswith("data:image/png;base64,") and base64.b64decode(url.split(",", 1)[1]) == _png()
     # An encoder of before the fields answers Qwen's grid alone.
     assert part.rewritten(_placed(grid_thw=[1, 2, 2]))["image_embeds"] == {"image_grid_thw": [1, 2, 2]}
+
+
+def test_a_video_goes_as_metadata_from_our_tower_and_as_the_request_gave_it_from_vllms() -> None:
+    video = {"type": "video_url", "video_url": {"url": "data:video/jpeg;base64,AAAA,BBBB,CCCC,DDDD"}}
+    part = _Part([video], 0, "messages[0].content[0]", MediaSpec.video([b"f"] * 4, 0.0), fps=2.0)
+    placed = _placed(placeholder=to_proto([PlaceholderField.of("video_grid_thw", [2, 4, 4])]), modality="video")
+    ours = part.rewritten(placed, ours=True)
+    assert ours["type"] == "video_embeds" and ours["uuid"] == "h1"
+    assert ours["video_embeds"] == {"video_grid_thw": [2, 4, 4], "timestamps": [0.25, 1.25]}
+    assert part.rewritten(placed) == {**video, "uuid": "h1"}

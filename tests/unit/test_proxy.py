@@ -37,6 +37,7 @@ def _data_url(data: bytes = PNG) -> str:
 @dataclass
 class FakeConn:
     present: bool = True
+    tower: str = "qwen3vl"
     lookups: list[list[str]] = field(default_factory=list)
 
     def lookup(self, hashes: Sequence[str]) -> list[pb2.ItemLocation | None]:
