@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import json
 import math
 import types
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
@@ -556,3 +558,14 @@ def markdown_reference(cls: type) -> str:
 if __name__ == "__main__":
     for config_cls in (EncoderServerConfig, PrefillConfig, ProxyConfig):
         print(f"### {config_cls.__name__}\n\n{markdown_reference(config_cls)}\n")
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict; :class:`ConfigError` naming the file otherwise."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return raw

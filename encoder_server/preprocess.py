@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from common.config import read_json_object
 from common.errors import ConfigError, InvalidMediaError
 from common.media import PreprocessParams, sample_frame_indices, smart_resize
 from common.placeholder import ItemMeta, PlaceholderField
@@ -190,7 +191,7 @@ class PreprocessConfig:
         values: dict[str, Any] = {}
         image_file = root / "preprocessor_config.json"
         if image_file.is_file():
-            raw = _read_json(image_file)
+            raw = read_json_object(image_file)
             values.update(_geometry_from_json(raw))
             min_px, max_px = _pixel_bounds(raw)
             if min_px is not None:
@@ -214,23 +215,13 @@ class PreprocessConfig:
             return cls.for_encoder(VisionConfig.from_pretrained_dir(root), **overrides)
         video_file = root / "video_preprocessor_config.json"
         if video_file.is_file():
-            raw = _read_json(video_file)
+            raw = read_json_object(video_file)
             min_px, max_px = _pixel_bounds(raw)
             values["video_min_pixels"], values["video_max_pixels"] = min_px, max_px
             if "fps" in raw and raw["fps"] is not None:
                 values["video_sample_fps"] = float(raw["fps"])
         values.update(overrides)
         return cls(**values)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path.name}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path.name} is not a JSON object")
-    return data
 
 
 def _as_list(value: Any, key: str) -> list[Any]:

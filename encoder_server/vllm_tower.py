@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import logging
 import socket
 import threading
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from common.config import read_json_object
 from common.errors import ConfigError, InvalidMediaError
 from common.placeholder import ItemMeta, PlaceholderField
 from common.vllm_rows import deepstack_levels, row_width
@@ -54,13 +54,7 @@ _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_
 
 def checkpoint_model_type(weights: str | Path) -> tuple[str | None, str]:
     """``(model_type, architectures)`` of a checkpoint's ``config.json``."""
-    config_file = Path(weights) / "config.json"
-    try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {config_file}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{config_file} is not a JSON object")
+    raw = read_json_object(Path(weights) / "config.json")
     archs = raw.get("architectures")
     named = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "?"
     model_type = raw.get("model_type")
@@ -86,10 +80,6 @@ class VllmItem:
     num_tokens: int
     nbytes: int
     meta: ItemMeta
-
-    @property
-    def kind(self) -> str:
-        return self.modality
 
 
 class VllmTower:

@@ -7,7 +7,6 @@ tower that runs in milliseconds on a CPU; a real checkpoint overrides them.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Mapping
@@ -15,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from common.config import read_json_object
 from common.errors import ConfigError
 from common.layout import compute_fat_dim
 
@@ -128,12 +128,7 @@ class VisionConfig:
     def from_pretrained_dir(cls, path: str | Path) -> VisionConfig:
         """Read ``config.json`` of a Qwen3-VL checkpoint directory (its ``vision_config``)."""
         config_file = Path(path) / "config.json"
-        try:
-            raw = json.loads(config_file.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read {config_file}: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{config_file} is not a JSON object")
+        raw = read_json_object(config_file)
         model_type = raw.get("model_type")
         if model_type is not None and model_type not in QWEN3_VL_MODEL_TYPES:
             # Another family's vision_config may carry the same keys and build a wrong tower:

@@ -32,7 +32,7 @@ WRITERS: dict[str, Callable[[Path, int], Path]] = {"qwen3_vl": write_qwen3vl_che
 # About a minute each (two vLLM engines and an encoder start): four in the suite, every family with
 # EPD_TEST_FAMILIES=all (or a comma-separated choice).
 DEFAULT_FAMILIES = ("gemma3", "llava_onevision", "qwen2_5_vl", "qwen3_vl")
-VIDEO_FAMILIES = {"qwen2_5_vl", "qwen3_vl"}  # of the tested ones, those whose vLLM model takes video
+VIDEO_FAMILIES = {"llava_onevision", "qwen2_5_vl", "qwen3_vl"}  # of the tested ones, those whose vLLM model takes video
 _CHOSEN = os.environ.get("EPD_TEST_FAMILIES", "")
 CHOSEN = sorted(WRITERS) if _CHOSEN == "all" else [f for f in _CHOSEN.split(",") if f] or list(DEFAULT_FAMILIES)
 
