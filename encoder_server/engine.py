@@ -45,8 +45,8 @@ from common.errors import (
 )
 from common.fingerprint import cached_fingerprint
 from common.metrics import EncoderMetrics
-from encoder_server.cache_blocks import EncoderCacheBlocks, Lease
 from common.placeholder import ItemMeta
+from encoder_server.cache_blocks import EncoderCacheBlocks, Lease
 from encoder_server.vision import default_tokens_per_block
 
 logger = logging.getLogger(__name__)

@@ -261,7 +261,7 @@ class _SchedulerSide:
     def _shape_problem(self, w: _Wanted, rows: torch.Tensor) -> str | None:
         if rows.dim() != 2 or rows.shape[0] != w.num_embeds:
             return (f"item {w.identifier}: the encoder has {tuple(rows.shape)} rows, the prompt expects "
-                    f"{w.num_embeds} (the request's grid does not match the item)")
+                    f"{w.num_embeds} (the request's placeholder metadata does not match the item)")
         if self.width is not None and rows.shape[1] != self.width:
             return (f"item {w.identifier}: rows of width {rows.shape[1]}, the model expects {self.width} "
                     f"(its input-embedding size x (1 + deepstack levels)); encoder and model disagree")

@@ -71,3 +71,24 @@ def test_rows_land_in_their_blocks_and_bad_arguments_write_nothing() -> None:
     with pytest.raises(ValueError, match="is not a contiguous"):
         runner.write([_item(1, 6)], [[5, 2]], [[4, 2]], torch.zeros(8, BLOCK, WIDTH + 1), 7)
     assert torch.equal(buffer, before) and tower.calls == calls  # checked before the encoder ran
+
+
+class _ModelConfig:
+    """The two things of vLLM's ModelConfig a row width depends on."""
+
+    def __init__(self, embeds: int, vision: object) -> None:
+        self.hf_config = type("HfConfig", (), {"vision_config": vision})()
+        self._embeds = embeds
+
+    def get_inputs_embeds_size(self) -> int:
+        return self._embeds
+
+
+def test_a_row_is_the_input_embedding_times_one_plus_the_deepstack_levels() -> None:
+    from common.vllm_rows import row_width
+
+    qwen3 = type("Vision", (), {"deepstack_visual_indexes": [5, 11, 17], "out_hidden_size": 2048})()
+    assert row_width(_ModelConfig(2048, qwen3)) == 2048 * 4
+    siglip = type("Vision", (), {"hidden_size": 1152})()  # a LLaVA / Gemma 3 tower: no deepstack
+    assert row_width(_ModelConfig(2560, siglip)) == 2560
+    assert row_width(_ModelConfig(64, None)) == 64
