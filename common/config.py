@@ -63,6 +63,13 @@ class FailurePolicy(str, enum.Enum):
     RETRY = "retry"
 
 
+class PullSide(str, enum.Enum):
+    """Where the vLLM connector pulls: on each worker, into its device's memory, or on the scheduler."""
+
+    WORKER = "worker"
+    SCHEDULER = "scheduler"
+
+
 def setting(default: Any, *, env: str, help: str, flag: str | None = None) -> Any:
     """Declare a config field with its environment variable and help text."""
     return field(default=default, metadata={"env": env, "help": help, "flag": flag})
@@ -336,6 +343,11 @@ class PrefillConfig:
         help=KEEP_FREED_MEMORY_HELP)
     compile_graph: bool = setting(
         False, env="EPD_COMPILE", flag="--compile", help="torch.compile the prefill graph (true/false)")
+    pull_on: PullSide = setting(
+        PullSide.WORKER, env="EPD_PULL_ON",
+        help="vLLM connector only: worker (each worker pulls into its own device's landing pool and "
+             "verifies; the scheduler tracks) or scheduler (the scheduler pulls into host memory and "
+             "ships the rows to the workers in the step's metadata)")
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:

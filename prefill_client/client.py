@@ -137,6 +137,16 @@ class _OnBehalf:
         self.conn.release(lease_ids, owner=self.owner)
 
 
+class _Kept:
+    """Releases nothing: the leases are the caller's to give back (``pull_placed(keep_leases=True)``)."""
+
+    def release(self, lease_ids: Sequence[int]) -> None:
+        return
+
+
+_KEPT = _Kept()
+
+
 class _LocalCache:
     """Pulled items by (weights digest, mm_hash), LRU, bounded in blocks of the producer layout.
 
@@ -193,13 +203,19 @@ class EncoderCacheClient:
         tls: TlsConfig | None = None,
         weights_digest: str | None = None,
         membership_refresh_s: float = DEFAULT_REFRESH_INTERVAL_S,
+        landing_device: str | torch.device = "cpu",
+        probe_connections: bool = False,
     ) -> None:
         """``weights_digest``: the vision weights this client's model expects
         (:func:`common.weights_digest.checkpoint_digest` of its checkpoint); encoders announcing
         another digest are refused (:class:`WeightsMismatchError`) and their items go to the
         next encoder. None accepts any encoder, and keeps items of different weights apart.
         ``membership_refresh_s``: how often the targets are resolved again and every encoder's
-        readiness asked (:class:`~prefill_client.pool.EncoderPool`; 0: only at start)."""
+        readiness asked (:class:`~prefill_client.pool.EncoderPool`; 0: only at start).
+        ``landing_device``: where the NIXL-registered landing pool lives, and so the pulled rows
+        (a GPU's memory on CUDA: the READ lands on the device). ``probe_connections``: read one
+        tag from each encoder as it is connected, so the first request does not pay the
+        transport's connection set-up (:meth:`ConsumerTransport._probe`)."""
         self.model_id = model_id
         self.weights_digest = weights_digest
         self.consumer_id = consumer_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -209,7 +225,8 @@ class EncoderCacheClient:
         self.metrics = metrics if metrics is not None else PrefillMetrics()
         self._own_transport = transport is None
         self.transport = transport if transport is not None else ConsumerTransport(
-            TransportKind(transport_kind), num_landing_blocks=landing_blocks)
+            TransportKind(transport_kind), num_landing_blocks=landing_blocks, device=landing_device,
+            probe_timeout_s=pull_timeout_s if probe_connections else 0.0)
         self._tls = tls or TlsConfig()
         self._pool = EncoderPool([targets] if isinstance(targets, str) else list(targets), self._connection,
                                  self.metrics, refresh_interval_s=membership_refresh_s)
@@ -220,14 +237,17 @@ class EncoderCacheClient:
         self._releaser = LeaseReleaser()
 
     @classmethod
-    def from_config(cls, cfg: PrefillConfig, metrics: PrefillMetrics | None = None) -> EncoderCacheClient:
+    def from_config(cls, cfg: PrefillConfig, metrics: PrefillMetrics | None = None, *,
+                    landing_device: str | torch.device = "cpu", probe_connections: bool = False
+                    ) -> EncoderCacheClient:
         """The client ``epd prefill`` and the vLLM connector build from their settings."""
         return cls(
             cfg.encoders, cfg.model_id, consumer_id=cfg.consumer_id, transport_kind=cfg.transport,
             rpc_timeout_s=cfg.rpc_timeout_s, pull_timeout_s=cfg.pull_timeout_s,
             failure_policy=cfg.failure_policy, landing_blocks=cfg.landing_blocks,
             local_cache_blocks=cfg.local_cache_blocks, metrics=metrics, tls=cfg.tls,
-            weights_digest=cfg.weights_digest, membership_refresh_s=cfg.membership_refresh_s)
+            weights_digest=cfg.weights_digest, membership_refresh_s=cfg.membership_refresh_s,
+            landing_device=landing_device, probe_connections=probe_connections)
 
     # --- public API ------------------------------------------------------------------------
 
@@ -295,13 +315,58 @@ class EncoderCacheClient:
         """
         return self._per_encoder(items, self._place_on)
 
-    def pull_placed(self, placements: Sequence[Placement]) -> list[PulledItem]:
+    def locate(self, mm_hashes: Sequence[str]) -> list[Placement]:
+        """Placements of items known by mm_hash (one Lookup RPC per encoder), leased to this
+        client and pulled by nobody yet: :meth:`lookup` without the pull, for another process
+        to pull (:meth:`pull_placed`). An item no encoder has is ``ECLoadFailure(evicted)``,
+        and the leases already granted are given back."""
+        by_target: dict[str, list[int]] = collections.defaultdict(list)
+        for i, h in enumerate(mm_hashes):
+            target = self._where.get(h)
+            if target is None or self._pool.conn(target) is None:
+                target = self._route(functools.partial(str, h))
+            by_target[target].append(i)
+        out: list[Placement | None] = [None] * len(mm_hashes)
+        try:
+            for target, indices in by_target.items():
+                conn = self._pool.conn(target)
+                wanted = [mm_hashes[i] for i in indices]
+                if conn is None:
+                    raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=wanted[0],
+                                     detail=f"encoder {target} left the encoder list")
+                try:
+                    locations = conn.lookup(wanted)
+                except WeightsMismatchError as exc:
+                    raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=wanted[0], detail=str(exc)) from exc
+                except grpc.RpcError as exc:
+                    if exc.code() not in _GONE + (grpc.StatusCode.DEADLINE_EXCEEDED,):
+                        raise
+                    raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=wanted[0],
+                                     detail=f"encoder {target} unreachable: {exc.code().name}") from exc
+                for i, loc in zip(indices, locations):
+                    if loc is not None:
+                        out[i] = Placement(loc.mm_hash, target, conn.incarnation_id, loc, conn.weights_digest,
+                                           self.consumer_id)
+                gone = [h for h, loc in zip(wanted, locations) if loc is None]
+                if gone:
+                    raise self._fail(LoadFailureReason.EVICTED, [], mm_hash=gone[0],
+                                     detail=f"{gone[0]} is no longer on encoder {target}")
+                self._where.update((h, target) for h in wanted)
+        except BaseException:
+            self.release_placed([p for p in out if p is not None])
+            raise
+        return [p for p in out if p is not None]
+
+    def pull_placed(self, placements: Sequence[Placement], *, keep_leases: bool = False) -> list[PulledItem]:
         """Pull placed items, verified, in order; one block READ and one tag READ per encoder.
 
         A placement of another incarnation than the encoder's current one (it restarted), or of
         an encoder this client does not know by that name, is looked up by mm_hash instead. An
         item no longer found is ``ECLoadFailure(evicted)``; any failure fails the call, and
-        every lease is given back.
+        every lease is given back, except with ``keep_leases``: then the placements' leases are
+        the caller's to give back (:meth:`release_placed`), once every process that pulls the
+        same placements is done (the vLLM connector's tensor-parallel ranks). Leases this call
+        takes itself (a stale placement looked up again) are always given back.
         """
         out: list[PulledItem | None] = [None] * len(placements)
         by_target: dict[str, list[int]] = collections.defaultdict(list)
@@ -313,7 +378,8 @@ class EncoderCacheClient:
             digest = self.weights_digest or (conn.weights_digest if conn is not None and conn.incarnation_id else None)
             local = self._local.get(digest, p.mm_hash)
             if local is not None:
-                self._release_placed(p)
+                if not keep_leases:
+                    self._release_placed(p)
                 out[i] = dataclasses.replace(local, source="local")
             else:
                 by_target[p.encoder].append(i)
@@ -337,7 +403,8 @@ class EncoderCacheClient:
             for i in current:
                 by_owner[placements[i].owner].append(i)
             for owner, group in by_owner.items():
-                pulled = self._pull(conn, [placements[i].location for i in group], owner=owner or None)
+                pulled = self._pull(conn, [placements[i].location for i in group], owner=owner or None,
+                                    keep_leases=keep_leases)
                 for i, item in zip(group, pulled):
                     out[i] = item
         if stale:
@@ -346,13 +413,25 @@ class EncoderCacheClient:
                 out[i] = again
         return [p for p in out if p is not None]
 
-    def release_placed(self, placements: Sequence[Placement]) -> None:
-        """Give back the leases of placements that will not be pulled."""
-        for p in placements:
-            self._release_placed(p)
+    def release_placed(self, placements: Sequence[Placement], *, handshake: bool = False) -> None:
+        """Give back the leases of placements that will not be pulled (or were pulled elsewhere).
 
-    def _release_placed(self, p: Placement) -> None:
+        ``handshake``: first handshake with an encoder this client has not talked to yet (a
+        client that only tracks pulls other processes make), up to the RPC deadline; an encoder
+        that does not answer keeps its leases until their ttl.
+        """
+        for p in placements:
+            self._release_placed(p, handshake)
+
+    def _release_placed(self, p: Placement, handshake: bool = False) -> None:
         conn = self._pool.conn(p.encoder)
+        if conn is not None and handshake and not conn.incarnation_id:
+            try:
+                conn.peer()
+            except (grpc.RpcError, EpdError) as exc:
+                logger.warning("lease %d on %s not given back (%s): it ends at its ttl",
+                               p.location.lease_id, p.encoder, exc)
+                return
         if conn is not None and conn.incarnation_id == p.incarnation_id:
             self._releaser.add(self._releasing(conn, p.owner or None), [p.location.lease_id])
 
@@ -524,9 +603,10 @@ class EncoderCacheClient:
                 time.sleep(wait)
 
     def _pull(self, conn: EncoderConnection, locations: Sequence[pb2.ItemLocation],
-              owner: str | None = None) -> list[PulledItem]:
+              owner: str | None = None, keep_leases: bool = False) -> list[PulledItem]:
         """Pull, then verify, every location; local-cache hits need no transfer. ``owner``: the
-        consumer the leases were granted to, when not this one (placed items)."""
+        consumer the leases were granted to, when not this one (placed items); ``keep_leases``:
+        the caller gives them back."""
         results: list[PulledItem | None] = [None] * len(locations)
         todo: list[int] = []
         for i, loc in enumerate(locations):
@@ -535,7 +615,7 @@ class EncoderCacheClient:
                 results[i] = dataclasses.replace(local, source="local")
             else:
                 todo.append(i)
-        releasing = self._releasing(conn, owner)
+        releasing: EncoderConnection | _OnBehalf | _Kept = _KEPT if keep_leases else self._releasing(conn, owner)
         self._releaser.add(releasing, [loc.lease_id for loc, r in zip(locations, results) if r is not None])
         if todo:
             for i, item in zip(todo, self._pull_verified(conn, [locations[i] for i in todo], releasing)):
@@ -543,7 +623,7 @@ class EncoderCacheClient:
         return [r for r in results if r is not None]
 
     def _pull_verified(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation],
-                       releasing: EncoderConnection | _OnBehalf) -> list[PulledItem]:
+                       releasing: EncoderConnection | _OnBehalf | _Kept) -> list[PulledItem]:
         """Pull ``locs`` in as few transfers as the landing pool allows; every lease ends on every path."""
         landing = self.transport.landing
         room = landing.num_blocks - landing.num_quarantined
@@ -566,7 +646,7 @@ class EncoderCacheClient:
         return out
 
     def _pull_chunk(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation],
-                    releasing: EncoderConnection | _OnBehalf) -> list[PulledItem]:
+                    releasing: EncoderConnection | _OnBehalf | _Kept) -> list[PulledItem]:
         """One block READ, then one tag READ, then the checks of every item; then the leases go back.
 
         Items that verify are kept (local cache) even when another item of the

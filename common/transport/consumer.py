@@ -19,14 +19,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.config import TransportKind
-from common.errors import HandshakeError, TransportError
+from common.errors import HandshakeError, PeerDisconnected, TransferTimeout, TransportError
 from common.layout import STAMP_BYTES
 from common.transport.binding import (
     LOCAL_AGENT,
@@ -69,11 +71,15 @@ class ConsumerTransport:
         device: str | torch.device = "cpu",
         name_prefix: str = "epd-prefill",
         agent_options: Mapping[str, Any] | None = None,
+        probe_timeout_s: float = 0.0,
     ) -> None:
+        """``probe_timeout_s``: when > 0, each new producer peer is read from once (one tag)
+        within that long as it is connected (see :meth:`_probe`)."""
         if num_landing_blocks <= 0:
             raise ValueError(f"num_landing_blocks must be > 0, got {num_landing_blocks}")
         self.kind = resolve_transport_kind(kind)
         self.num_landing_blocks = num_landing_blocks
+        self.probe_timeout_s = probe_timeout_s
         # Concurrent requests hold distinct landing blocks, so twice as many tag
         # slots leave room for slots quarantined by timed-out tag reads.
         self.num_tag_slots = num_tag_slots or 2 * num_landing_blocks
@@ -191,6 +197,8 @@ class ConsumerTransport:
             if peer is None:
                 peer = self._open_peer(side, hs, buffer, stamps)
                 self._by_agent[peer.agent_name] = peer
+                if self.probe_timeout_s > 0:
+                    self._probe(peer)
             if endpoint is not None:
                 previous = self._endpoints.get(endpoint)
                 self._endpoints[endpoint] = peer.agent_name
@@ -229,6 +237,16 @@ class ConsumerTransport:
             buffer_region=buffer, stamp_region=stamps,
             blocks_dlist=blocks_dlist, tags_dlist=tags_dlist,
         )
+
+    def _probe(self, peer: ProducerPeer) -> None:
+        """One tag READ right after connecting: the first transfer completes the connection's
+        wire-up, which UCX progresses only while this agent is polled (it has no progress
+        thread). Left for later, that wire-up has been seen to miss the first request's deadline
+        in a process whose core is busy (a vLLM worker). Best effort: a probe that fails is logged."""
+        try:
+            peer.read_tags(np.zeros(1, dtype=np.int32), time.monotonic() + self.probe_timeout_s)
+        except (TransferTimeout, TransportError, PeerDisconnected) as exc:
+            logger.warning("first READ from producer %s did not complete: %s", peer.agent_name, exc)
 
     def _forget_agent(self, name: str) -> None:
         """``remove_remote_agent`` for clean-up paths (caller holds the agent lock): log, never raise."""

@@ -10,24 +10,30 @@ Loaded by vLLM (0.32 / 0.33) with::
 field or flag name (``rpc_timeout_s``, ``pull_timeout_s``, ``tls_ca``, ``auth_token``,
 ``failure_policy``, ``weights_digest``, ``metrics_port``, ...).
 
-Where the pull happens, and why. vLLM asks the scheduler side whether an item "is available"
-(``has_cache_item``) and, in the same step, has the worker copy it into ``encoder_cache`` and
-gather it: a worker that finds nothing then raises ``Encoder cache miss`` and the engine dies.
-So "available" must mean "in hand". The scheduler side therefore pulls, verified, before it ever
-says yes: ``ensure_cache_available`` defers a request while its items are pulled by a
-background thread (one batched pull per request: the proxy's leased locations from the
-request's ``ec_transfer_params``, or a ``Lookup`` of each ``mm_hash``), and says yes only once
-every item's rows passed the tag and generation checks and have the shape the model expects.
-A pull that fails for any reason (``ECLoadFailure``: evicted, tag or generation mismatch,
-timeout, encoder down, handshake) puts the request in ``take_unavailable_requests``: vLLM fails
-that request alone and the engine goes on. The verified rows reach every worker in the
-connector metadata of the step that schedules them, and the worker puts them into
-``encoder_cache[identifier]`` on its device, in the model's dtype.
+Where the pull happens (``pull_on``, default ``worker``). vLLM asks the scheduler side whether
+an item "is available" (``has_cache_item``) and, in the same step, has the worker copy it into
+``encoder_cache`` and gather it: a worker that finds nothing then raises ``Encoder cache miss``
+and the engine dies. So "available" must mean "in hand" on every rank that gathers.
+
+- ``worker`` (:mod:`prefill_client.vllm.worker_pulls`): ``ensure_cache_available`` defers a
+  request and orders its items' pull from every tensor-parallel rank over the connector's side
+  channel (the proxy's leased locations from the request's ``ec_transfer_params``, or a
+  ``Lookup`` of each ``mm_hash``). Each rank pulls, verified, into a landing pool registered
+  with NIXL on its own device and reports; the item is available once every rank reported it.
+  The step's metadata carries only the ids to place and drop.
+- ``scheduler``: the scheduler pulls into host memory in two background threads and ships the
+  verified rows to every worker inside the step's metadata.
+
+Either way a pull that fails for any reason (``ECLoadFailure``: evicted, tag or generation
+mismatch, timeout, encoder down, handshake; rows of the wrong shape) on any rank puts the
+request in ``take_unavailable_requests``: vLLM fails that request alone and the engine goes on.
+Leases are given back once, in the name of whoever took them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 from collections import defaultdict
@@ -42,11 +48,14 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
-from common.config import PrefillConfig, build_from_mapping
+from common.config import PrefillConfig, PullSide, build_from_mapping
 from common.errors import ConfigError, ECLoadFailure, EpdError, LoadFailureReason
 from common.metrics import PrefillMetrics
 from common.vllm_rows import row_width as model_row_width
+from prefill_client.vllm import channel
+from prefill_client.vllm.items import Wanted, shape_problem, wanted_items, worker_device
 from prefill_client.vllm.params import from_params
+from prefill_client.vllm.worker_pulls import WorkerLoader, WorkerPulls
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,8 +71,13 @@ PULL_THREADS = 2
 
 @dataclass
 class EpdCacheConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc]  # vLLM is not type-checked here
-    """Scheduler -> workers, per step: the verified rows of the items this step gathers."""
+    """Scheduler -> workers, per step. Worker path: the ids of the items to put into
+    ``encoder_cache`` from the rows each rank holds (``place``) and of rows nobody needs any
+    more (``drop``: identifier and the pull that landed them). Scheduler path: the verified rows
+    themselves (``rows``)."""
 
+    place: list[str] = field(default_factory=list)
+    drop: list[tuple[str, str]] = field(default_factory=list)
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -84,6 +98,17 @@ def row_width(vllm_config: VllmConfig) -> int:
     return model_row_width(vllm_config.model_config)
 
 
+def _start_metrics(cfg: PrefillConfig, metrics: PrefillMetrics) -> Any:
+    """The scheduler side's /metrics endpoint (``metrics_port``; -1: none)."""
+    if cfg.metrics_port < 0:
+        return None
+    from prometheus_client import start_http_server
+
+    httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry)
+    logger.info("EpdCacheConnector /metrics on %s:%d", cfg.metrics_host, httpd.server_port)
+    return httpd
+
+
 class EpdCacheConnector(ECConnectorBase):  # type: ignore[misc]
     """vLLM EC connector, consumer: encoder outputs come from epd-cache encoders over NIXL, verified."""
 
@@ -92,24 +117,58 @@ class EpdCacheConnector(ECConnectorBase):  # type: ignore[misc]
         if not self.is_consumer or self.is_producer:
             raise ConfigError(f"EpdCacheConnector is a consumer: ec_role must be ec_consumer, "
                               f"got {vllm_config.ec_transfer_config.ec_role!r}")
-        self._scheduler: _SchedulerSide | None = None
         dtype = vllm_config.model_config.dtype  # resolved to a torch.dtype once the config is built
         self._dtype: torch.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+        self._cfg = connector_config(vllm_config)
+        self._width = row_width(vllm_config)
+        self._channel_address = channel.address(vllm_config)
+        self._scheduler: _SchedulerPulls | WorkerPulls | None = None
+        self._loader: WorkerLoader | None = None
+        self._httpd: Any = None
         if role == ECConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerSide.start(connector_config(vllm_config), row_width(vllm_config))
+            metrics = PrefillMetrics()
+            if self._cfg.pull_on is PullSide.WORKER:
+                self._scheduler = self._start_tracking(vllm_config, metrics)
+            else:
+                self._scheduler = _SchedulerPulls.start(self._cfg, self._width, metrics)
+            self._httpd = _start_metrics(self._cfg, metrics)
+            logger.info("EpdCacheConnector: consumer of encoders %s (model_id %s), pulls on the %s",
+                        ",".join(self._cfg.encoders), self._cfg.model_id, self._cfg.pull_on.value)
+
+    def _start_tracking(self, vllm_config: VllmConfig, metrics: PrefillMetrics) -> WorkerPulls:
+        from prefill_client.client import EncoderCacheClient
+
+        # This client pulls nothing (the workers do): it looks items up and gives leases back.
+        client = EncoderCacheClient.from_config(
+            dataclasses.replace(self._cfg, landing_blocks=1, local_cache_blocks=1), metrics)
+        ranks = vllm_config.parallel_config.tensor_parallel_size
+        return WorkerPulls(client, channel.SchedulerChannel(self._channel_address, ranks), self._cfg.landing_blocks)
 
     # --- worker side -------------------------------------------------------------------------
 
+    def start_worker_services(self) -> None:
+        """Worker path: this rank's landing pool, client and channel, once the model is resident."""
+        if self._cfg.pull_on is not PullSide.WORKER or self._loader is not None:
+            return
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        if not get_pp_group().is_first_rank:
+            return  # only the first pipeline stage gathers encoder outputs
+        self._loader = WorkerLoader.start(self._cfg, self._width, self._dtype, self._channel_address,
+                                          get_tensor_model_parallel_rank())
+
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        """Put this step's verified rows into ``encoder_cache`` on this worker's device."""
+        """Put this step's items into ``encoder_cache`` on this worker's device."""
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, EpdCacheConnectorMetadata)
-        if not metadata.rows:
-            return
-        device = _worker_device()
-        for identifier, rows in metadata.rows.items():
-            if identifier not in encoder_cache:
-                encoder_cache[identifier] = rows.to(device=device, dtype=self._dtype)
+        if self._loader is not None:
+            self._loader.place(metadata.place, encoder_cache)
+            self._loader.drop(metadata.drop)
+        if metadata.rows:
+            device = worker_device()
+            for identifier, rows in metadata.rows.items():
+                if identifier not in encoder_cache:
+                    encoder_cache[identifier] = rows.to(device=device, dtype=self._dtype)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         """Nothing: this connector only consumes (the encoder owns the cache)."""
@@ -130,7 +189,11 @@ class EpdCacheConnector(ECConnectorBase):  # type: ignore[misc]
         self._side().allocated(request.mm_features[index].identifier)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> EpdCacheConnectorMetadata:
-        return EpdCacheConnectorMetadata(self._side().take_to_load())
+        side = self._side()
+        if isinstance(side, WorkerPulls):
+            orders = side.take_orders()
+            return EpdCacheConnectorMetadata(place=orders.place, drop=orders.drop)
+        return EpdCacheConnectorMetadata(rows=side.take_to_load())
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._side().finished(request)
@@ -139,8 +202,12 @@ class EpdCacheConnector(ECConnectorBase):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._loader is not None:
+            self._loader.close()
+        if self._httpd is not None:
+            self._httpd.shutdown()
 
-    def _side(self) -> _SchedulerSide:
+    def _side(self) -> _SchedulerPulls | WorkerPulls:
         assert self._scheduler is not None, "a scheduler-side call on a worker-side connector"
         return self._scheduler
 
@@ -149,46 +216,19 @@ class EpdCacheConnector(ECConnectorBase):  # type: ignore[misc]
         return self._side().client
 
 
-def _worker_device() -> torch.device:
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda_alike():
-        return torch.device(current_platform.device_type, current_platform.current_device())
-    return torch.device(current_platform.device_type)
-
-
-@dataclass
-class _Wanted:
-    """One item a request needs: its identifier and the number of rows the prompt has for it."""
-
-    identifier: str
-    num_embeds: int
-
-
-class _SchedulerSide:
-    """Pulls in the background; says "available" only for rows in hand; fails requests, not the engine."""
+class _SchedulerPulls:
+    """The scheduler path: pulls in the background; says "available" only for rows in hand."""
 
     @classmethod
-    def start(cls, cfg: PrefillConfig, width: int | None) -> _SchedulerSide:
-        """The client of ``cfg`` and its /metrics endpoint (``metrics_port``; -1: none)."""
-        from prometheus_client import start_http_server
-
+    def start(cls, cfg: PrefillConfig, width: int | None, metrics: PrefillMetrics) -> _SchedulerPulls:
         from prefill_client.client import EncoderCacheClient
 
-        metrics = PrefillMetrics()
-        client = EncoderCacheClient.from_config(cfg, metrics)
-        side = cls(client, width)
-        if cfg.metrics_port >= 0:
-            side._httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry)
-            logger.info("EpdCacheConnector /metrics on %s:%d", cfg.metrics_host, side._httpd.server_port)
-        logger.info("EpdCacheConnector: consumer of encoders %s (model_id %s)", ",".join(cfg.encoders), cfg.model_id)
-        return side
+        return cls(EncoderCacheClient.from_config(cfg, metrics, probe_connections=True), width)
 
     def __init__(self, client: EncoderCacheClient, width: int | None) -> None:
         self.client = client
         self.metrics = client.metrics
         self.width = width
-        self._httpd: Any = None
         self._threads = concurrent.futures.ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="epd-pull")
         self._jobs: dict[str, tuple[concurrent.futures.Future[dict[str, torch.Tensor]], list[Placement]]] = {}
         self._rows: dict[str, torch.Tensor] = {}  # identifier -> verified rows, while a request needs them
@@ -204,7 +244,7 @@ class _SchedulerSide:
         rid = request.request_id
         if rid in self._unavailable or rid in self._reported:
             return False
-        wanted = self._wanted(request, num_computed_tokens)
+        wanted = wanted_items(request, num_computed_tokens)
         for w in wanted:
             self._users[w.identifier].add(rid)
         missing = [w for w in wanted if w.identifier not in self._rows]
@@ -238,7 +278,7 @@ class _SchedulerSide:
             return False
         for w in missing:
             got = rows.get(w.identifier)
-            problem = f"item {w.identifier} was not delivered" if got is None else self._shape_problem(w, got)
+            problem = f"item {w.identifier} was not delivered" if got is None else shape_problem(w.identifier, got, w.num_embeds, self.width)
             if problem is not None:
                 self.metrics.load_failures.labels(reason=LoadFailureReason.TOKEN_COUNT.value).inc()
                 self._fail(rid, problem)
@@ -246,28 +286,7 @@ class _SchedulerSide:
         self._rows.update(rows)
         return all(w.identifier in self._rows for w in wanted)
 
-    def _wanted(self, request: Request, num_computed_tokens: int) -> list[_Wanted]:
-        """The request's items (each once) whose placeholders are not all covered by its prefix-cache hit."""
-        out: list[_Wanted] = []
-        seen: set[str] = set()
-        for index, feature in enumerate(request.mm_features):
-            pos = feature.mm_position
-            if pos.offset + pos.length <= num_computed_tokens or feature.identifier in seen:
-                continue
-            seen.add(feature.identifier)
-            out.append(_Wanted(feature.identifier, int(request.get_num_encoder_embeds(index))))
-        return out
-
-    def _shape_problem(self, w: _Wanted, rows: torch.Tensor) -> str | None:
-        if rows.dim() != 2 or rows.shape[0] != w.num_embeds:
-            return (f"item {w.identifier}: the encoder has {tuple(rows.shape)} rows, the prompt expects "
-                    f"{w.num_embeds} (the request's placeholder metadata does not match the item)")
-        if self.width is not None and rows.shape[1] != self.width:
-            return (f"item {w.identifier}: rows of width {rows.shape[1]}, the model expects {self.width} "
-                    f"(its input-embedding size x (1 + deepstack levels)); encoder and model disagree")
-        return None
-
-    def _pull(self, missing: Sequence[_Wanted], placed: Mapping[str, Placement]) -> dict[str, torch.Tensor]:
+    def _pull(self, missing: Sequence[Wanted], placed: Mapping[str, Placement]) -> dict[str, torch.Tensor]:
         """Worker thread: one verified pull for the request's missing items (bounded by the client's deadlines)."""
         with_location = [placed[w.identifier] for w in missing if w.identifier in placed]
         by_lookup = [w.identifier for w in missing if w.identifier not in placed]
@@ -320,5 +339,3 @@ class _SchedulerSide:
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)
         self.client.close()
-        if self._httpd is not None:
-            self._httpd.shutdown()

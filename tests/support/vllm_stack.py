@@ -81,19 +81,27 @@ def _wait_healthy(server: Server, timeout_s: float, what: str) -> Server:
         time.sleep(0.5)
 
 
-def launch_vllm(model: Path, log_path: Path, *args: str, cpu_core: int | None = None) -> Server:
+def launch_vllm(model: Path, log_path: Path, *args: str, cpu_core: int | None = None,
+                tensor_parallel: int = 1) -> Server:
     """Start ``vllm serve MODEL`` on a free port without waiting (see :func:`wait_vllm`).
 
     ``cpu_core``: the core the CPU build's engine binds its OpenMP threads to. By default every
     engine binds to the same first core, and two engines on one box then take turns on it.
+    ``tensor_parallel``: ranks of the engine, each bound to its own core from ``cpu_core`` on
+    (the CPU build refuses to bind several ranks to one NUMA node by itself).
     """
     port = free_port()
     cmd = [sys.executable, "-m", "common.cli", "vllm", "serve", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len", "4096",
            "--max-num-seqs", "8", "--disable-log-stats", *args]
     env = {**os.environ, **VLLM_ENV}
-    if cpu_core is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core % (os.cpu_count() or 1))
+    cores = os.cpu_count() or 1
+    if tensor_parallel > 1:
+        cmd += ["--tensor-parallel-size", str(tensor_parallel)]
+        first = cpu_core or 0
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str((first + r) % cores) for r in range(tensor_parallel))
+    elif cpu_core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core % cores)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return Server(proc, port, log_path)

@@ -8,6 +8,7 @@ can equal the baseline's only if every embedding came from the encoder.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import pytest
 from common.weights_digest import checkpoint_digest
 from prefill_client.client import EncoderCacheClient
 from prefill_client.encoder_conn import MediaSpec
+from bench.vllm_soak import SoakEncoder, run_soak
 from tests.support.procs import EncoderProcess, start_encoder
 from tests.support.ports import free_port
 from tests.support.qwen3vl import noise_vision_copy, write_qwen3vl_checkpoint
@@ -44,6 +46,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "tiny-qwen3-vl"
 LEASE_TTL_MS = 1500
 CACHE_BLOCKS = 64
+# Two ranks, an engine core, a plain vLLM and the encoders share two cores here: a rank's first
+# READ has been seen past 2 s while the engine warms up.
+PULL_TIMEOUT_S = 5.0
 LOGPROB_ATOL = 1e-5  # float32 noise of two tower implementations (measured: about 1.5e-6)
 
 
@@ -59,10 +64,17 @@ class Stack:
     proxy: Server
     gate: Gate
     gated_proxy: Server
+    second: SoakEncoder
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+# Tensor-parallel sizes of the consumer (the connector's worker path runs on every rank). The suite
+# runs 1; EPD_TEST_VLLM_TP=1,2 adds 2 ranks, which on a 2-core machine starves the ranks' pull
+# threads now and then (BENCHMARKS.md, "vLLM connector: worker-side pulls").
+TENSOR_PARALLEL = [int(tp) for tp in os.environ.get("EPD_TEST_VLLM_TP", "1").split(",")]
+
+
+@pytest.fixture(scope="module", params=TENSOR_PARALLEL, ids=lambda tp: f"tp{tp}")
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     reason = vllm_missing()
     if reason:
         pytest.skip(reason)
@@ -73,14 +85,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     encoder_args = ("--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL,
                     "--lease-ttl-ms", str(LEASE_TTL_MS), "--cache-blocks", str(CACHE_BLOCKS))
     encoder = start_encoder(tmp, *encoder_args)
+    # A second encoder the connector knows from the start, for the soak (the other tests use the first).
+    second = SoakEncoder.start(tmp, "encoder-b", *encoder_args)
     metrics_port = free_port()
     # Both engines start at once: most of their start-up is imports and process spawns.
     baseline = launch_vllm(checkpoint, tmp / "vllm-baseline.log", "--served-model-name", MODEL,
                            # transformers' PIL image processor: what the encoder's preprocessing reproduces
                            "--mm-processor-kwargs", json.dumps({"use_fast": False}), cpu_core=0)
     consumer = launch_vllm(noise, tmp / "vllm-consumer.log", "--served-model-name", MODEL, "--ec-transfer-config",
-                           connector_config([encoder.target], MODEL, metrics_port=metrics_port, pull_timeout_s=2.0,
-                                            rpc_timeout_s=3.0), cpu_core=1)
+                           connector_config([encoder.target, second.target], MODEL, metrics_port=metrics_port,
+                                            pull_timeout_s=PULL_TIMEOUT_S,
+                                            rpc_timeout_s=3.0), cpu_core=1, tensor_parallel=request.param)
     servers: list[Server] = [baseline, consumer]
     gate: Gate | None = None
     built: Stack | None = None
@@ -93,7 +108,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         gated = start_proxy(tmp / "proxy-gated.log", [encoder.target], [gate.url], "--model-id", MODEL,
                             "--rpc-timeout-s", "3")
         servers.append(gated)
-        built = Stack(tmp, checkpoint, encoder, encoder_args, baseline, consumer, metrics_port, proxy, gate, gated)
+        built = Stack(tmp, checkpoint, encoder, encoder_args, baseline, consumer, metrics_port, proxy, gate, gated,
+                      second)
         yield built
     finally:
         if gate is not None:
@@ -103,6 +119,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         for server in servers[:2]:
             stop_vllm(server)
         encoder.terminate()
+        second.terminate()
         if built is not None and built.encoder is not encoder:  # the successor the kill test started
             built.encoder.terminate()
 
@@ -265,3 +282,30 @@ def _png_bytes(seed: int) -> bytes:
     import base64
 
     return base64.b64decode(image_url(seed, 512, 512).split(",", 1)[1])
+
+
+SOAK_S = float(os.environ.get("EPD_TEST_VLLM_SOAK_S", "20"))
+
+
+def test_soak_through_the_whole_stack(stack: Stack) -> None:
+    """Mixed image/video requests from three clients through a proxy over two encoders, with
+    encoder kills, SIGSTOPs, forced evictions and clients that hang up: every answer equals plain
+    vLLM's, the engine never dies, every failure is one the README names (``bench/vllm_soak.py``;
+    EPD_TEST_VLLM_SOAK_S sets the length, 20 s here)."""
+    port = stack.encoder.port
+    first = SoakEncoder(stack.tmp, (*stack.encoder_args, "--port", str(port)), "encoder-soak", stack.encoder)
+    proxy = start_proxy(stack.tmp / "proxy-soak.log", [stack.encoder.target, stack.second.target],
+                        [stack.consumer.url], "--model-id", MODEL, "--rpc-timeout-s", "3")
+    try:
+        report = run_soak(proxy_url=proxy.url, reference_url=stack.baseline.url, consumer=stack.consumer,
+                          encoders=[first, stack.second], seconds=SOAK_S, clients=3,
+                          fault_every_s=max(2.0, SOAK_S / 8))
+    finally:
+        proxy.stop()
+        stack.encoder = first.proc  # terminated with the stack
+    print(json.dumps(report))
+    assert report["wrong_answers"] == 0, report
+    assert report["engine_alive"] and report["engine_restarts"] == 0, report
+    assert report["answered"] >= 5, report
+    assert set(report["faults"]) == {"kill", "freeze", "evict", "disconnect"}, report
+    assert not [k for k in report["failures"] if k.endswith(":other")], report

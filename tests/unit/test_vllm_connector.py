@@ -111,9 +111,9 @@ def _request(rid: str, items: Sequence[tuple[str, int]], params: dict[str, Any] 
 
 def _side(client: FakeClient) -> Any:
     pytest.importorskip("vllm", reason="the connector module imports vLLM")
-    from prefill_client.vllm.connector import _SchedulerSide
+    from prefill_client.vllm.connector import _SchedulerPulls
 
-    return _SchedulerSide(client, WIDTH)  # type: ignore[arg-type]
+    return _SchedulerPulls(client, WIDTH)  # type: ignore[arg-type]
 
 
 def _until(check: Any, timeout_s: float = 5.0) -> bool:

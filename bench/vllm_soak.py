@@ -1,0 +1,334 @@
+"""Bounded soak through the whole vLLM stack: ``epd proxy`` + vLLM with EpdCacheConnector + encoders.
+
+Starts two ``epd encoder`` processes with a small cache and short leases (so items are evicted
+and blocks reused all the time), a consumer ``vllm serve`` whose connector knows both (noise
+vision weights: its answers can be right only with the encoders' rows), ``epd proxy`` over both,
+and a plain ``vllm serve`` of the real checkpoint as the reference. ``--clients`` threads send
+mixed requests (one or two images from a pool that repeats, or a video of three frames, with
+one of a few texts) for ``--seconds``; every answered request's greedy tokens are compared with
+the plain server's answer to the same request. Every ``--fault-every-s`` one fault, in turn:
+
+- ``kill``: kill -9 an encoder and start it again on the same port;
+- ``freeze``: SIGSTOP an encoder for 1.5 s (deadlines), then SIGCONT;
+- ``evict``: fill an encoder's cache with new images (the items the proxy placed are evicted);
+- ``disconnect``: clients that hang up 50 ms into their request.
+
+Reports requests, answers, failures by kind (the README's failure table: what the proxy said),
+faults of each kind, wrong answers (must be 0), engine restarts (must be 0: the consumer's
+engine process is the one it started with, and it still answers) and the consumer's RSS (its
+whole process group) after warm-up and at the end. Exit status 1 on a wrong answer or a dead engine.
+
+    python bench/vllm_soak.py                  # 3 minutes
+    python bench/vllm_soak.py --seconds 600
+    EPD_TEST_VLLM_SOAK_S=... pytest tests/system/test_vllm.py -k soak   # the bounded run in the suite
+
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from prefill_client.client import EncoderCacheClient  # noqa: E402
+from prefill_client.encoder_conn import MediaSpec  # noqa: E402
+from tests.support.procs import EncoderProcess, start_encoder  # noqa: E402
+from tests.support.qwen3vl import noise_vision_copy, write_qwen3vl_checkpoint  # noqa: E402
+from tests.support.vllm_stack import (  # noqa: E402
+    Server,
+    chat_body,
+    connector_config,
+    image_url,
+    launch_vllm,
+    start_proxy,
+    stop_vllm,
+    video_url,
+    vllm_missing,
+    wait_vllm,
+)
+
+MODEL = "tiny-qwen3-vl"
+FAULTS = ("disconnect", "evict", "freeze", "kill")  # the slow one (a restart) last
+TEXTS = ("what is this?", "describe it", "and now?")
+# What the proxy says for each failure of the README's table (first match names the kind).
+FAILURE_KINDS = (
+    ("evicted", "no longer on encoder"), ("encoder_unreachable", "unreachable"),
+    ("encoder_unreachable", "cannot reach the encoders"), ("encode_failed", "encoding failed"),
+    ("encoder_error", "encoder error"), ("overloaded", "overloaded"),
+    ("pull_failed", "still on their encoders"), ("backend_failed", "failed the request"),
+    ("no_backend", "no backend reachable"),
+)
+
+
+@dataclass
+class SoakEncoder:
+    """An encoder on a fixed port that the soak kills, freezes and starts again."""
+
+    tmp: Path
+    args: tuple[str, ...]
+    name: str
+    proc: EncoderProcess
+    restarts: int = 0
+
+    @classmethod
+    def start(cls, tmp: Path, name: str, *args: str) -> SoakEncoder:
+        proc = start_encoder(tmp, *args, name=name)
+        return cls(tmp, (*args, "--port", str(proc.port)), name, proc)
+
+    @property
+    def target(self) -> str:
+        return self.proc.target
+
+    def kill_and_restart(self) -> None:
+        self.proc.kill()
+        self.restarts += 1
+        self.proc = start_encoder(self.tmp, *self.args, name=f"{self.name}-{self.restarts}")
+
+    def freeze(self, seconds: float) -> None:
+        os.kill(self.proc.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(self.proc.proc.pid, signal.SIGCONT)
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+
+@dataclass
+class Tally:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    requests: int = 0
+    answered: int = 0
+    wrong: int = 0
+    failures: collections.Counter[str] = field(default_factory=collections.Counter)
+    faults: collections.Counter[str] = field(default_factory=collections.Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+    wrong_examples: list[str] = field(default_factory=list)
+
+
+def _tokens(resp: httpx.Response) -> list[int]:
+    choice = resp.json()["choices"][0]
+    return [int(t) for t in choice.get("token_ids") or []] or [
+        hash(t["token"]) for t in choice["logprobs"]["content"]]
+
+
+def _kind(resp: httpx.Response) -> str:
+    try:
+        message = str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = resp.text
+    for kind, words in FAILURE_KINDS:
+        if words in message:
+            return f"{resp.status_code}:{kind}"
+    return f"{resp.status_code}:other"
+
+
+class Reference:
+    """The plain server's greedy tokens per request, asked once per distinct request."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._answers: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def tokens(self, key: str, body: dict[str, Any]) -> list[int]:
+        with self._lock:
+            if key in self._answers:
+                return self._answers[key]
+        resp = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120.0)
+        resp.raise_for_status()
+        got = _tokens(resp)
+        with self._lock:
+            self._answers[key] = got
+        return got
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of ``pid``'s process group (vLLM's API server, engine core and workers)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != pid:
+                continue
+            with open(f"/proc/{entry}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ProcessLookupError, ValueError, IndexError):
+            continue
+    return round(total / 2**20, 1)
+
+
+def engine_pids(pid: int) -> set[int]:
+    """The processes of ``pid``'s group: a restarted engine core would show up as a new one."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pid:
+                    out.add(int(entry))
+            except ProcessLookupError:
+                continue
+    return out
+
+
+def run_soak(*, proxy_url: str, reference_url: str, consumer: Server, encoders: Sequence[SoakEncoder],
+             seconds: float, clients: int = 3, fault_every_s: float = 5.0, seed: int = 0,
+             log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict[str, Any]:
+    """The soak against a running stack; returns the report (see the module's docstring)."""
+    rng = random.Random(seed)
+    images = [image_url(50_000 + i, rng.choice((64, 128, 192)), rng.choice((96, 160, 256))) for i in range(10)]
+    videos = [video_url(60_000 + i, 3, 128, 160) for i in range(2)]
+    reference = Reference(reference_url)
+    tally = Tally()
+    stop_at = time.monotonic() + seconds
+
+    def pick(r: random.Random) -> tuple[str, dict[str, Any]]:
+        if r.random() < 0.2:
+            media = [r.choice(videos)]
+        else:
+            media = r.sample(images, r.choice((1, 1, 2)))
+        text = r.choice(TEXTS)
+        key = json.dumps([[images.index(u) if u in images else -1 - videos.index(u) for u in media], text])
+        return key, chat_body(MODEL, media, text, max_tokens=4)
+
+    def client(index: int) -> None:
+        r = random.Random(seed * 1000 + index)
+        with httpx.Client(timeout=120.0) as http:
+            while time.monotonic() < stop_at:
+                key, body = pick(r)
+                want = reference.tokens(key, body)
+                resp = http.post(proxy_url + "/v1/chat/completions", json=body)
+                with tally.lock:
+                    tally.requests += 1
+                    if resp.status_code == 200:
+                        tally.answered += 1
+                        if _tokens(resp) != want:
+                            tally.wrong += 1
+                            tally.wrong_examples.append(key)
+                    else:
+                        kind = _kind(resp)
+                        tally.failures[kind] += 1
+                        tally.examples.setdefault(kind, resp.text[:300])
+
+    def hang_up(n: int) -> None:
+        for i in range(n):
+            body = chat_body(MODEL, [image_url(70_000 + rng.randrange(10**6), 128, 128)], "bye", max_tokens=4)
+            try:
+                httpx.post(proxy_url + "/v1/chat/completions", json=body, timeout=0.05)
+            except httpx.TimeoutException:
+                pass
+
+    def faults() -> None:
+        n = 0
+        while time.monotonic() + fault_every_s < stop_at:
+            time.sleep(fault_every_s)
+            fault = FAULTS[n % len(FAULTS)]
+            target = encoders[n % len(encoders)]
+            n += 1
+            log(f"fault {n}: {fault} ({target.name})")
+            if fault == "kill":
+                target.kill_and_restart()
+            elif fault == "freeze":
+                target.freeze(1.5)
+            elif fault == "evict":
+                with EncoderCacheClient(target.target, MODEL, landing_blocks=16, rpc_timeout_s=5.0) as filler:
+                    for i in range(0, 24, 4):
+                        filler.encode([MediaSpec.image(base64.b64decode(
+                            image_url(80_000 + 100 * n + i + j, 256, 256).split(",", 1)[1])) for j in range(4)])
+            else:
+                hang_up(3)
+            with tally.lock:
+                tally.faults[fault] += 1
+
+    # Warm-up (untimed, unchecked against faults): the reference's answers for every image alone.
+    for i, url in enumerate(images[:3]):
+        body = chat_body(MODEL, [url], TEXTS[0], max_tokens=4)
+        reference.tokens(json.dumps([[i], TEXTS[0]]), body)
+        httpx.post(proxy_url + "/v1/chat/completions", json=body, timeout=120.0)
+    pids_start = engine_pids(consumer.proc.pid)
+    rss_start = rss_mb(consumer.proc.pid)
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    threads.append(threading.Thread(target=faults, daemon=True))
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 300)
+    elapsed = time.monotonic() - started
+    alive = consumer.alive() and httpx.get(consumer.url + "/health", timeout=10).status_code == 200
+    pids_end = engine_pids(consumer.proc.pid)
+    return {
+        "seconds": round(elapsed, 1), "clients": clients, "requests": tally.requests, "answered": tally.answered,
+        "failures": dict(tally.failures), "faults": dict(tally.faults), "wrong_answers": tally.wrong,
+        "wrong_examples": tally.wrong_examples[:5], "failure_examples": tally.examples,
+        "engine_alive": alive, "engine_restarts": len(pids_end - pids_start) if alive else 1,
+        "rss_start_mb": rss_start, "rss_end_mb": rss_mb(consumer.proc.pid),
+        "encoder_restarts": sum(e.restarts for e in encoders),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--seconds", type=float, default=180.0)
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--fault-every-s", type=float, default=5.0)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the consumer")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    reason = vllm_missing()
+    if reason:
+        raise SystemExit(reason)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        checkpoint = write_qwen3vl_checkpoint(tmp / "checkpoint", seed=7)
+        noise = noise_vision_copy(checkpoint, tmp / "noise-vision")
+        enc_args = ("--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL,
+                    "--lease-ttl-ms", "1500", "--cache-blocks", "64")
+        encoders = [SoakEncoder.start(tmp, f"encoder-{i}", *enc_args) for i in range(2)]
+        targets = [e.target for e in encoders]
+        plain = launch_vllm(checkpoint, tmp / "plain.log", "--served-model-name", MODEL,
+                            "--mm-processor-kwargs", json.dumps({"use_fast": False}), cpu_core=0)
+        consumer = launch_vllm(noise, tmp / "consumer.log", "--served-model-name", MODEL, "--ec-transfer-config",
+                               connector_config(targets, MODEL, metrics_port=-1, pull_timeout_s=2.0,
+                                                rpc_timeout_s=3.0), cpu_core=1, tensor_parallel=args.tp)
+        proxy = None
+        try:
+            wait_vllm(plain)
+            wait_vllm(consumer)
+            proxy = start_proxy(tmp / "proxy.log", targets, [consumer.url], "--model-id", MODEL, "--rpc-timeout-s", "3")
+            report = run_soak(proxy_url=proxy.url, reference_url=plain.url, consumer=consumer, encoders=encoders,
+                              seconds=args.seconds, clients=args.clients, fault_every_s=args.fault_every_s,
+                              seed=args.seed)
+        finally:
+            if proxy is not None:
+                proxy.stop()
+            stop_vllm(consumer)
+            stop_vllm(plain)
+            for e in encoders:
+                e.terminate()
+    report["tensor_parallel"] = args.tp
+    print(json.dumps(report))
+    sys.exit(1 if report["wrong_answers"] or not report["engine_alive"] else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The connector's side channel between vLLM's scheduler and its workers (ZeroMQ, one host).
+
+Why a channel of our own. vLLM hands connector metadata to the workers only inside a step that
+runs tokens: a step whose requests are all deferred (every one waiting for its pulls) never
+calls the worker-side connector, so neither pull orders nor completions could travel while an
+engine waits on its only request. Mooncake's EC connector has its own channel for the same
+reason. What must stay in step order (which rows to place into ``encoder_cache``, which to drop)
+still travels in the step's metadata; orders and reports travel here.
+
+The scheduler binds a ROUTER socket on an ``ipc://`` path derived from the engine's identity
+(:func:`address`); each worker's DEALER connects, says hello with its rank, and then receives
+every order and sends its reports. Messages are JSON objects: small (locations, ids, reasons),
+never rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100  # how often a worker's loop looks up from an idle socket (to notice close)
+
+
+def address(vllm_config: VllmConfig) -> str:
+    """The channel of one engine: the same in its scheduler and in every worker (both get the
+    engine's config, whose ``instance_id`` is fixed when it is made), distinct per data-parallel rank."""
+    parallel = vllm_config.parallel_config
+    name = f"epd-ec-{vllm_config.instance_id}-dp{parallel.data_parallel_rank}"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    return f"ipc://{os.path.join(tempfile.gettempdir(), safe)}"
+
+
+def _encode(msg: dict[str, Any]) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
+class SchedulerChannel:
+    """The scheduler's end: knows which ranks joined, sends orders to all of them, collects reports.
+
+    Used from the scheduler's thread only (vLLM calls every scheduler-side hook from one thread).
+    """
+
+    def __init__(self, addr: str, ranks: int) -> None:
+        self.address = addr
+        self.ranks = ranks
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        path = addr.removeprefix("ipc://")
+        if addr.startswith("ipc://") and os.path.exists(path):
+            os.unlink(path)  # a socket file left by an engine that died with our identity
+        self._sock.bind(addr)
+        self._peers: dict[int, bytes] = {}
+
+    @property
+    def joined(self) -> int:
+        return len(self._peers)
+
+    @property
+    def ready(self) -> bool:
+        """Every rank said hello: an order sent now reaches all of them."""
+        return len(self._peers) >= self.ranks
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """``msg`` to every rank that joined."""
+        data = _encode(msg)
+        for rank, ident in list(self._peers.items()):
+            try:
+                self._sock.send_multipart([ident, data], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # the worker is gone (engine shutting down) or its queue is full
+                logger.warning("EpdCacheConnector: order to rank %d not sent: %s", rank, exc)
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Every report that arrived since the last call (hellos are taken here)."""
+        out: list[dict[str, Any]] = []
+        while True:
+            try:
+                ident, data = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                msg = json.loads(data)
+                if msg.get("op") == "hello":
+                    self._peers[int(msg["rank"])] = ident
+                    logger.info("EpdCacheConnector: worker rank %s joined (%d of %d)", msg["rank"],
+                                len(self._peers), self.ranks)
+                else:
+                    out.append(msg)
+            except (ValueError, KeyError, TypeError) as exc:
+                logger.error("EpdCacheConnector: unreadable message from a worker dropped: %s", exc)
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+        path = self.address.removeprefix("ipc://")
+        if self.address.startswith("ipc://"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+class WorkerChannel:
+    """A worker's end: a thread that hands each order to ``on_order`` and sends what :meth:`report` gets.
+
+    ``on_order`` runs on that thread and must not block (it submits work). :meth:`report` may be
+    called from any thread: each thread gets its own in-process socket to the loop.
+    """
+
+    def __init__(self, addr: str, rank: int, on_order: Callable[[dict[str, Any]], None]) -> None:
+        self.rank = rank
+        self._on_order = on_order
+        self._ctx = zmq.Context()
+        self._inproc = f"inproc://epd-reports-{secrets.token_hex(6)}"
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.setsockopt(zmq.IDENTITY, f"rank-{rank}-{secrets.token_hex(4)}".encode())
+        self._dealer.connect(addr)
+        self._reports = self._ctx.socket(zmq.PULL)
+        self._reports.setsockopt(zmq.LINGER, 0)
+        self._reports.bind(self._inproc)
+        self._local = threading.local()
+        self._senders: list[zmq.Socket[Any]] = []
+        self._senders_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"epd-ec-channel-{rank}", daemon=True)
+        self._thread.start()
+
+    def report(self, msg: dict[str, Any]) -> None:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._inproc)
+            self._local.sock = sock
+            with self._senders_lock:
+                self._senders.append(sock)
+        sock.send(_encode({**msg, "rank": self.rank}))
+
+    def _run(self) -> None:
+        # DEALER queues this until the scheduler's socket is bound (it starts after the workers).
+        self._dealer.send(_encode({"op": "hello", "rank": self.rank}))
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._reports, zmq.POLLIN)
+        while not self._closed.is_set():
+            try:
+                ready = dict(poller.poll(POLL_MS))
+                if self._reports in ready:
+                    while True:
+                        try:
+                            self._dealer.send(self._reports.recv(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                if self._dealer in ready:
+                    while True:
+                        try:
+                            data = self._dealer.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_order(json.loads(data))
+            except zmq.ZMQError as exc:
+                if self._closed.is_set():
+                    return
+                logger.error("EpdCacheConnector: worker channel: %s", exc)
+            except Exception:  # an order we could not act on: say so, keep serving the others
+                logger.exception("EpdCacheConnector: worker channel: order failed")
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5 * POLL_MS / 1000)
+        with self._senders_lock:
+            for sock in self._senders:
+                sock.close(0)
+        self._dealer.close(0)
+        self._reports.close(0)
+        self._ctx.term()
