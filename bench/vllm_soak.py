@@ -5,7 +5,9 @@ and blocks reused all the time), a consumer ``vllm serve`` whose connector knows
 vision weights: its answers can be right only with the encoders' rows), ``epd proxy`` over both,
 and a plain ``vllm serve`` of the real checkpoint as the reference. ``--clients`` threads send
 mixed requests (one or two images from a pool that repeats, or a video of three frames, with
-one of a few texts) for ``--seconds``; every answered request's greedy tokens are compared with
+one of a few texts) for ``--seconds``, and longer if needed until every fault below has been
+injected at least once (then one more ``--fault-every-s`` of traffic after the last; at most
+``--seconds`` + 120 s in all); every answered request's greedy tokens are compared with
 the plain server's answer to the same request. Every ``--fault-every-s`` one fault, in turn:
 
 - ``kill``: kill -9 an encoder and start it again on the same port;
@@ -199,7 +201,7 @@ def run_soak(*, proxy_url: str, reference_url: str, consumer: Server, encoders: 
     videos = [video_url(60_000 + i, 3, 128, 160) for i in range(2)]
     reference = Reference(reference_url)
     tally = Tally()
-    stop_at = time.monotonic() + seconds
+    stop = threading.Event()  # set by the fault thread: time is up and every fault was injected
 
     def pick(r: random.Random) -> tuple[str, dict[str, Any]]:
         if r.random() < 0.2:
@@ -213,7 +215,7 @@ def run_soak(*, proxy_url: str, reference_url: str, consumer: Server, encoders: 
     def client(index: int) -> None:
         r = random.Random(seed * 1000 + index)
         with httpx.Client(timeout=120.0) as http:
-            while time.monotonic() < stop_at:
+            while not stop.is_set():
                 key, body = pick(r)
                 want = reference.tokens(key, body)
                 resp = http.post(proxy_url + "/v1/chat/completions", json=body)
@@ -237,14 +239,20 @@ def run_soak(*, proxy_url: str, reference_url: str, consumer: Server, encoders: 
             except httpx.TimeoutException:
                 pass
 
-    def faults() -> None:
+    def inject() -> None:
+        # Runs for ``seconds`` and at least one full turn of FAULTS (a slow box must not skip the
+        # kill), never past the hard cap; then one more interval of traffic after the last fault.
+        start = time.monotonic()
+        stop_at, cap = start + seconds, start + seconds + 120.0
         n = 0
-        while time.monotonic() + fault_every_s < stop_at:
-            time.sleep(fault_every_s)
+        while (time.monotonic() + fault_every_s < stop_at or n < len(FAULTS)) \
+                and time.monotonic() + fault_every_s < cap:
+            if stop.wait(fault_every_s):
+                return
             fault = FAULTS[n % len(FAULTS)]
             target = encoders[n % len(encoders)]
             n += 1
-            log(f"fault {n}: {fault} ({target.name})")
+            log(f"fault {n}: {fault} ({target.name}) at {time.monotonic() - start:.1f} s")
             if fault == "kill":
                 target.kill_and_restart()
             elif fault == "freeze":
@@ -258,6 +266,15 @@ def run_soak(*, proxy_url: str, reference_url: str, consumer: Server, encoders: 
                 hang_up(3)
             with tally.lock:
                 tally.faults[fault] += 1
+        time.sleep(max(fault_every_s, stop_at - time.monotonic()))
+
+    def faults() -> None:
+        try:
+            inject()
+        except Exception as exc:  # noqa: BLE001 - reported; the report then lacks that fault
+            log(f"fault injection failed: {exc!r}")
+        finally:
+            stop.set()
 
     # Warm-up (untimed, unchecked against faults): the reference's answers for every image alone.
     for i, url in enumerate(images[:3]):
@@ -273,6 +290,7 @@ def run_soak(*, proxy_url: str, reference_url: str, consumer: Server, encoders: 
         t.start()
     for t in threads:
         t.join(seconds + 300)
+    stop.set()  # a thread past its join deadline still stops at its next request
     elapsed = time.monotonic() - started
     alive = consumer.alive() and httpx.get(consumer.url + "/health", timeout=10).status_code == 200
     pids_end = engine_pids(consumer.proc.pid)

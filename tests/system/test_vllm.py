@@ -284,14 +284,15 @@ def _png_bytes(seed: int) -> bytes:
     return base64.b64decode(image_url(seed, 512, 512).split(",", 1)[1])
 
 
-SOAK_S = float(os.environ.get("EPD_TEST_VLLM_SOAK_S", "20"))
+SOAK_S = float(os.environ.get("EPD_TEST_VLLM_SOAK_S", "10"))
 
 
 def test_soak_through_the_whole_stack(stack: Stack) -> None:
     """Mixed image/video requests from three clients through a proxy over two encoders, with
     encoder kills, SIGSTOPs, forced evictions and clients that hang up: every answer equals plain
     vLLM's, the engine never dies, every failure is one the README names (``bench/vllm_soak.py``;
-    EPD_TEST_VLLM_SOAK_S sets the length, 20 s here)."""
+    EPD_TEST_VLLM_SOAK_S sets the length, 10 s here and
+    longer until every kind of fault was injected once)."""
     port = stack.encoder.port
     first = SoakEncoder(stack.tmp, (*stack.encoder_args, "--port", str(port)), "encoder-soak", stack.encoder)
     proxy = start_proxy(stack.tmp / "proxy-soak.log", [stack.encoder.target, stack.second.target],
@@ -299,7 +300,7 @@ def test_soak_through_the_whole_stack(stack: Stack) -> None:
     try:
         report = run_soak(proxy_url=proxy.url, reference_url=stack.baseline.url, consumer=stack.consumer,
                           encoders=[first, stack.second], seconds=SOAK_S, clients=3,
-                          fault_every_s=max(2.0, SOAK_S / 8))
+                          fault_every_s=max(1.5, SOAK_S / 8))
     finally:
         proxy.stop()
         stack.encoder = first.proc  # terminated with the stack
