@@ -20,11 +20,19 @@ encoder's own preprocessing, and the batch is encoded by:
   are reported against the batch's: ``padding``);
 * ``matmuls``: the tower's matrix multiplications alone (every ``nn.Linear``
   of the tower at the rows it sees in this batch, same weights, nothing
-  else): a floor for any float32 implementation on this BLAS, so
+  else): a floor for any implementation in that dtype on this BLAS, so
   ``floor_ratio`` (transformers over it) bounds every path's ratio, and
   ``bound_ratio`` bounds it tighter: transformers over the matmuls plus the
   attention's multiply-adds (``4 L^2 hidden`` a frame of ``L`` patches, a
   layer) done at the matmuls' own rate, softmax free.
+
+Every preset runs in each ``--dtype`` (float32 and bfloat16 by default). In bfloat16 both
+sides hold the weights rounded to bfloat16 and compute as their code does in that dtype
+(transformers' tower cast with ``.to(bfloat16)``, ours loaded with ``dtype=bfloat16``, as
+``epd encoder --tower-dtype bfloat16`` loads it); every path, transformers' included, is then
+checked against the float32 tower on the same rounded weights, and ours may differ from it by
+at most twice what transformers' bfloat16 tower does. bfloat16 matmuls run on a CPU's AMX or
+AVX-512 BF16 units where it has them; ``matmuls`` is then the floor in bfloat16.
 
 After one untimed call each (the compiled path compiles its graphs then), the
 paths run interleaved, one call each per round, so all see the same machine
@@ -34,6 +42,7 @@ the ratios against transformers; the exit status is 1 if any path's rows
 differ by more than the tolerance.
 
     python bench/encoder.py                          # the Qwen3-VL 2B, 4B and 8B towers, 2 threads
+    python bench/encoder.py --dtype bfloat16         # the same towers in bfloat16 only
     python bench/encoder.py --preset qwen3-vl-2b --rounds 5
     python bench/encoder.py --preset tiny --rounds 15  # the test tower
 """
@@ -123,17 +132,18 @@ class Matmuls:
     """Every ``nn.Linear`` of the tower at the rows it sees for this batch, and nothing else."""
 
     def __init__(self, encoder: VisionEncoder, items: list[ProcessedItem]) -> None:
-        cfg = encoder.config
+        cfg, dtype = encoder.config, encoder.dtype
         patches = sum(item.num_tokens for item in items) * cfg.merge_unit
         still = cfg.patch_dim // cfg.temporal_patch_size
         # The patch embedding as our encoder runs it on stills (one frame against the summed kernel).
         self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = [
-            (torch.randn(patches, still), encoder.patch_embed._summed_weight(), encoder.patch_embed.proj.bias)]
+            (torch.randn(patches, still, dtype=dtype), encoder.patch_embed._summed_weight(),
+             encoder.patch_embed.proj.bias)]
         inputs: dict[int, torch.Tensor] = {}
 
         def rows(n: int, width: int) -> torch.Tensor:
             if width not in inputs or inputs[width].shape[0] != n:
-                inputs[width] = torch.randn(n, width)
+                inputs[width] = torch.randn(n, width, dtype=dtype)
             return inputs[width]
 
         for block in encoder.blocks:
@@ -181,17 +191,23 @@ class ServingPath:
         return torch.cat(out)
 
 
-def run_preset(name: str, args: argparse.Namespace, wanted: set[str]) -> dict[str, Any]:
-    """Every wanted path on one preset's tower, interleaved; the preset's summary."""
+def run_preset(name: str, args: argparse.Namespace, wanted: set[str], dtype: torch.dtype) -> dict[str, Any]:
+    """Every wanted path on one preset's tower in ``dtype``, interleaved; the preset's summary."""
     with tempfile.TemporaryDirectory(prefix="epd-bench-encoder-") as tmp:
         hf = build_checkpoint(Path(tmp), PRESETS[name], args.seed)
-        encoder = load_encoder(tmp)
+        encoder = load_encoder(tmp, dtype=dtype)
+    exact: Any = None  # bfloat16: the float32 tower on the same (rounded) weights, which every path is held to
+    if dtype != torch.float32:
+        with torch.no_grad():
+            for param in hf.parameters():
+                param.copy_(param.to(dtype))
+        exact, hf = hf, copy.deepcopy(hf).to(dtype)
     sizes = REAL_IMAGE_SIZES if name in REAL_PRESETS else IMAGE_SIZES
     items = make_batch(encoder, sizes)
     tokens = sum(item.num_tokens for item in items)
     # Hugging Face's rows (each image's frame twice) for transformers and embed; the serving path takes the
     # items as the encoder's preprocessing makes them, an image's frame once (ProcessedItem.repeat).
-    pixel_values = torch.cat([item.hf_pixel_values() for item in items])
+    pixel_values = torch.cat([item.hf_pixel_values() for item in items]).to(dtype)
     grid_thw = torch.tensor([list(item.grid_thw) for item in items])
 
     def transformers_rows(model: Any = hf) -> torch.Tensor:
@@ -221,9 +237,15 @@ def run_preset(name: str, args: argparse.Namespace, wanted: set[str]) -> dict[st
         began = time.perf_counter()
         fn()
         first_call_s[path_name] = round(time.perf_counter() - began, 3)
-    reference = transformers_rows()
+    if exact is None:
+        reference = transformers_rows()
+        held_to = [n for n in rows_of if n != "transformers"]
+    else:
+        reference = transformers_rows(exact).float()
+        held_to = list(rows_of)
+        del exact
     scale = float(reference.abs().max())
-    diffs = {n: float((rows_of[n]() - reference).abs().max()) / scale for n in rows_of if n != "transformers"}
+    diffs = {n: float((rows_of[n]().float() - reference).abs().max()) / scale for n in held_to}
     for path in serving.values():  # count the timed calls only
         path.runner.real_tokens = path.runner.computed_tokens = 0
 
@@ -235,7 +257,8 @@ def run_preset(name: str, args: argparse.Namespace, wanted: set[str]) -> dict[st
             times[path_name].append(time.perf_counter() - began)
     median_ms = {path_name: statistics.median(samples) * 1e3 for path_name, samples in times.items()}
     padding = {n: round(p.runner.computed_tokens / p.runner.real_tokens - 1, 4) for n, p in serving.items()}
-    print(f"{name}: {tokens} merged tokens in {len(items)} images", flush=True)
+    print(f"{name} ({str(dtype).removeprefix('torch.')}): {tokens} merged tokens in {len(items)} images",
+          flush=True)
     for path_name in calls:
         extra = ""
         if path_name in diffs:
@@ -256,6 +279,7 @@ def run_preset(name: str, args: argparse.Namespace, wanted: set[str]) -> dict[st
                  "attention_gflops": round(matmuls.attention_flops / 1e9, 1)}
     cfg = encoder.config
     return {
+        "dtype": str(dtype).removeprefix("torch."),
         "config": {"depth": cfg.depth, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
                    "head_dim": cfg.head_dim, "out_hidden_size": cfg.out_hidden_size,
                    "deepstack_visual_indexes": list(cfg.deepstack_visual_indexes), "fat_dim": encoder.fat_dim},
@@ -280,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--paths", default=DEFAULT_PATHS,
                         help=f"paths to run, of {ALL_PATHS}; transformers is the reference and always runs")
+    parser.add_argument("--dtype", default="float32,bfloat16",
+                        help="weight and activation dtypes, comma separated, of float32 and bfloat16: "
+                             "every path runs in each (bfloat16: every path, transformers' too, is held to "
+                             "the float32 tower on the same rounded weights)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc thresholds as they are (epd encoder sets them)")
@@ -291,18 +319,30 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {p.strip() for p in args.paths.split(",") if p.strip()} | {"transformers"}
     if wanted - set(ALL_PATHS.split(",")):
         parser.error(f"unknown path(s) {sorted(wanted - set(ALL_PATHS.split(',')))}; choose from {ALL_PATHS}")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    chosen = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    if not chosen or set(chosen) - set(dtypes):
+        parser.error(f"--dtype {args.dtype!r}: choose from {sorted(dtypes)}")
     malloc_kept = False if args.default_malloc else keep_freed_memory()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    results = {name: run_preset(name, args, wanted) for name in presets}
+    # "qwen3-vl-2b" is the float32 run, "qwen3-vl-2b:bfloat16" the other.
+    results = {name if d == "float32" else f"{name}:{d}": run_preset(name, args, wanted, dtypes[d])
+               for d in chosen for name in presets}
     print(json.dumps({"bench": "encoder", "torch": torch.__version__, "threads": torch.get_num_threads(),
                       "keep_freed_memory": malloc_kept, "presets": results}))
-    worst = max((d for r in results.values() for d in r["max_rel_diff"].values()), default=0.0)
-    if worst > TOLERANCE:
-        print(f"rows differ from transformers by {worst:.2e} of the largest value (tolerance {TOLERANCE})",
-              file=sys.stderr)
-        return 1
-    return 0
+    failed = False
+    for key, result in results.items():
+        diffs = dict(result["max_rel_diff"])
+        # float32: every path within TOLERANCE of transformers. bfloat16: within twice transformers'
+        # own bfloat16 error against the float32 tower (and at least TOLERANCE).
+        limit = TOLERANCE if result["dtype"] == "float32" else max(TOLERANCE, 2 * diffs.pop("transformers"))
+        worst = max(diffs.values(), default=0.0)
+        if worst > limit:
+            print(f"{key}: rows differ from the reference by {worst:.2e} of the largest value (limit {limit:.2e})",
+                  file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

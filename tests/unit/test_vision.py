@@ -74,6 +74,31 @@ def test_embed_matches_transformers(tmp_path: Path, prefix: str, overrides: dict
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+
+def test_a_bfloat16_tower_is_as_near_the_float32_one_as_transformers_bfloat16_is(tmp_path: Path) -> None:
+    """``--tower-dtype bfloat16``: the eager path's own bfloat16 steps (the MLP's linear with its
+    GELU fused by oneDNN, the rotation written once in float32) against transformers' tower in
+    bfloat16, both held to the float32 tower on the same rounded weights."""
+    config, model = hf_model(hidden_act="gelu_pytorch_tanh")
+    with torch.no_grad():
+        for param in model.parameters():  # type: ignore[attr-defined]
+            param.copy_(param.to(torch.bfloat16))
+    save_checkpoint(tmp_path, config, model)
+    encoder = load_encoder(str(tmp_path), dtype=torch.bfloat16)
+    total = int(GRIDS.prod(-1).sum())
+    pixel_values = torch.randn(total, encoder.config.patch_dim,
+                               generator=torch.Generator().manual_seed(5)).bfloat16()
+    exact = hf_rows(model, pixel_values.float(), GRIDS)
+    theirs = hf_rows(model.to(torch.bfloat16), pixel_values, GRIDS).float()  # type: ignore[attr-defined]
+    with torch.inference_mode():
+        ours = encoder.embed(pixel_values, GRIDS)
+    assert ours.dtype == torch.bfloat16
+    scale = exact.abs().max()
+    our_error = float((ours.float() - exact).abs().max() / scale)
+    their_error = float((theirs - exact).abs().max() / scale)
+    assert 0 < our_error <= 2 * their_error, (our_error, their_error)
+
+
 def test_a_qwen3_vl_moe_checkpoints_tower_matches_transformers(tmp_path: Path) -> None:
     """The mixture-of-experts Qwen3-VL checkpoints (30B-A3B, 235B-A22B) share the dense ones' tower."""
     moe_config = pytest.importorskip("transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe")
