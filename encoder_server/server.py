@@ -127,8 +127,13 @@ def _load_tower(cfg: EncoderServerConfig) -> _Tower:
     from common.layout import parse_dtype
     from encoder_server.preprocess import PreprocessConfig, Preprocessor
     from encoder_server.vision import EncoderRunner, load_encoder, native
+    from encoder_server.vision.weights import declared_dtype
 
-    dtype = _tower_dtype(cfg, "float32")
+    declared, source = declared_dtype(cfg.weights) if cfg.weights is not None else ("float32", "random tower")
+    dtype = _tower_dtype(cfg, declared)
+    logger.info("tower dtype %s (%s)", dtype,
+                f"the checkpoint's, from {source}" if cfg.tower_dtype == "auto" else "--tower-dtype")
+    _warn_if_emulated(dtype, cfg.device)
     encoder = load_encoder(cfg.weights, device=cfg.device, dtype=parse_dtype(dtype))
     vision = encoder.config
     preprocess_config = PreprocessConfig.for_encoder(
@@ -167,6 +172,24 @@ def _load_vllm_tower(cfg: EncoderServerConfig) -> _Tower:
 def _tower_dtype(cfg: EncoderServerConfig, auto: str) -> str:
     """The name of the dtype ``--tower-dtype`` sets, ``auto`` standing for the tower's own default."""
     return auto if cfg.tower_dtype == "auto" else cfg.tower_dtype
+
+
+def _warn_if_emulated(dtype: str, device: str) -> None:
+    """Say so at start-up when this CPU has no units for the tower's dtype (it runs, several times slower)."""
+    if not device.startswith("cpu") or dtype == "float32":
+        return
+    import torch
+
+    def has(probe: str) -> bool:  # torch's own CPU feature probes (private; absent in old releases: assume yes)
+        fn = getattr(torch.cpu, probe, None)
+        return True if fn is None else bool(fn())
+
+    units = {"bfloat16": has("_is_avx512_bf16_supported") or has("_is_amx_tile_supported"),
+             "float16": has("_is_amx_fp16_supported")}
+    if not units.get(dtype, True):
+        logger.warning("this CPU has no %s matrix units (AVX512-BF16 / AMX): the tower runs %s emulated, "
+                       "slower than float32; --tower-dtype float32 is faster here (its rows get other mm_hashes, "
+                       "so every encoder of a pool must be given the same)", dtype, dtype)
 
 
 def computed_fingerprint(preprocess_fingerprint: str, dtype: str) -> str:

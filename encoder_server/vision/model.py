@@ -83,7 +83,23 @@ def _onednn_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _onednn_bf16_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Eager bfloat16 inference on a CPU with oneDNN: a linear may take its activation as a post-op."""
     return (_ONEDNN and x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+            and not torch.is_grad_enabled())
+
+
+@torch.library.custom_op("epd::linear_gelu_tanh", mutates_args=())
+def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x @ weight.T + bias)`` in one oneDNN call (CPU, bfloat16), the GELU on the float32 accumulator.
+
+    A custom op so that a compiled graph calls it as one opaque step too (Inductor's own
+    lowering of the fused linear refuses the tanh GELU).
+    """
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], "tanh")
+    return out
+
+
+@linear_gelu_tanh.register_fake
+def _linear_gelu_tanh_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 class PatchEmbed(nn.Module):
@@ -147,8 +163,7 @@ class VisionMLP(nn.Module):
             # oneDNN applies the GELU to the float32 accumulator before rounding to bfloat16: one
             # pass instead of two over [rows, intermediate] (14.9 against 31.4 ms for 2,560 x 1,024
             # -> 4,096 on an AMX host, the GELU alone 20), and rounded once, not twice.
-            hidden: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                x, self.linear_fc1.weight, self.linear_fc1.bias, "gelu", [], "tanh")
+            hidden: torch.Tensor = linear_gelu_tanh(x, self.linear_fc1.weight, self.linear_fc1.bias)
         else:
             hidden = self.act_fn(self.linear_fc1(x))
         out: torch.Tensor = self.linear_fc2(hidden)
@@ -174,6 +189,18 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.
     torch.mul(second, cos, out=high)
     high.add_(first * sin)
     return out.to(dtype)
+
+
+def _rotary_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_rotary` of ``qk [rows, 2, heads, dim]`` by ``cos, sin [rows, dim/2]``, shared by q and k.
+
+    Eager bfloat16 on a CPU: the native kernel's one pass (same float32 math, rounded once).
+    """
+    kernel = native.bf16_kernel_for(qk) if dtype == torch.bfloat16 else None
+    if kernel is not None:
+        out: torch.Tensor = kernel.rotary_bf16(qk, cos, sin)
+        return out
+    return _rotary(qk, cos[:, None, None], sin[:, None, None], dtype)
 
 
 def frame_runs(frame_lengths: list[int]) -> list[tuple[int, int, int]]:
@@ -256,7 +283,7 @@ class VisionAttention(nn.Module):
         qkv = self.qkv(x).view(rows, 3, self.num_heads, self.head_dim)
         v = qkv[:, 2]
         # q and k rotate together: [rows, 2, heads, dim] against [rows, 1, 1, dim/2]
-        q, k = _rotary(qkv[:, :2], cos[:, None, None], sin[:, None, None], v.dtype).unbind(1)
+        q, k = _rotary_qk(qkv[:, :2], cos, sin, v.dtype).unbind(1)
         out = frame_attention(q, k, v, frames)
         projected: torch.Tensor = self.proj(out.reshape(rows, hidden))
         return projected

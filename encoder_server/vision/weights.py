@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from common.config import read_json_object
 from common.errors import ConfigError
 from common.weights_digest import checkpoint_files, combine, tensor_entry, tensors_digest, vision_name
 from encoder_server.vision.config import VisionConfig
@@ -27,6 +28,47 @@ from encoder_server.vision.model import VisionEncoder
 
 logger = logging.getLogger(__name__)
 
+# A checkpoint's dtype names (config.json's "dtype" / "torch_dtype", safetensors' dtype codes) -> the
+# tower dtypes --tower-dtype names.
+_CONFIG_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                  "half": "float16"}
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def declared_dtype(path: str | Path) -> tuple[str, str]:
+    """The dtype a checkpoint declares for its model, and where it says so: ``("bfloat16", "config.json dtype")``.
+
+    vLLM's rule for ``--dtype auto``: the config's ``dtype`` (or ``torch_dtype``), else its
+    ``text_config``'s, else its ``vision_config``'s; without any, the dtype the vision tensors are
+    stored in (one dtype for all, else float32); float32 when there are none. Unlike vLLM, which
+    runs a float32 checkpoint in bfloat16 too, a float32 checkpoint stays float32.
+    """
+    root = Path(path)
+    config_file = root / "config.json"
+    raw = read_json_object(config_file)
+    for where, section in (("", raw), ("text_config.", raw.get("text_config")),
+                           ("vision_config.", raw.get("vision_config"))):
+        if not isinstance(section, dict):
+            continue
+        for key in ("dtype", "torch_dtype"):
+            value = section.get(key)
+            if value is None:
+                continue
+            name = _CONFIG_DTYPES.get(str(value).removeprefix("torch."))
+            if name is None:
+                raise ConfigError(
+                    f"{config_file}: {where}{key} is {value!r}, not a dtype the tower runs in "
+                    f"({', '.join(sorted(set(_CONFIG_DTYPES.values())))}); set --tower-dtype")
+            return name, f"config.json {where}{key}"
+    stored: set[str] = set()
+    for file in checkpoint_files(root):
+        if not file.is_file():
+            continue
+        with safe_open(str(file), framework="pt", device="cpu") as shard:
+            stored.update(shard.get_slice(key).get_dtype() for key in shard.keys() if vision_name(key) is not None)
+    if len(stored) == 1 and (name := _SAFETENSORS_DTYPES.get(next(iter(stored)))) is not None:
+        return name, "the vision tensors' stored dtype"
+    return "float32", "no dtype declared" if not stored else f"vision tensors stored in {sorted(stored)}"
 
 
 def load_encoder(

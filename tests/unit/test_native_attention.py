@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from common.errors import ConfigError
 from encoder_server.vision import native
-from encoder_server.vision.model import TanhGELU, frame_attention, sdpa_frame_attention
+from encoder_server.vision.model import TanhGELU, _rotary, _rotary_qk, frame_attention, sdpa_frame_attention
 
 
 def _kernel(isa: str | None = None) -> object:
@@ -247,3 +247,58 @@ def test_tower_gelu_takes_the_kernel_only_in_eager_float32_inference() -> None:
     native.configure("sdpa")  # no kernel: torch's
     assert native.elementwise_kernel_for(x) is None
     assert torch.equal(gelu(x), F.gelu(x, approximate="tanh"))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_rotary_bf16_equals_the_reference_bit_for_bit(isa: str) -> None:
+    kernel = _kernel(isa)
+    generator = torch.Generator().manual_seed(4)
+    for rows, heads, dim in [(2560, 16, 64), (37, 3, 72), (5, 1, 2)]:
+        # q and k as the tower hands them over: a strided [rows, 2, heads, dim] view of qkv
+        qkv = (torch.randn(rows, 3, heads, dim, generator=generator) * 5).bfloat16()
+        angles = torch.randn(rows, dim // 2, generator=generator) * 10
+        cos, sin = angles.cos(), angles.sin()
+        exact = _rotary(qkv[:, :2], cos[:, None, None], sin[:, None, None], torch.bfloat16)
+        out = kernel.rotary_bf16(qkv[:, :2], cos, sin)  # type: ignore[attr-defined]
+        assert out.shape == (rows, 2, heads, dim) and out.dtype == torch.bfloat16 and out.is_contiguous()
+        assert torch.equal(out.view(torch.int16), exact.view(torch.int16))
+    # infinities, NaN and the largest finite values round as torch rounds them
+    edges = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.3e38, -3.3e38, 1e-40, 1.0, 0.0])
+    x = edges.view(-1, 1, 1, 1).expand(-1, 1, 1, 2).contiguous().bfloat16()
+    cos, sin = torch.full((8, 1), 0.75), torch.full((8, 1), 0.5)
+    out = kernel.rotary_bf16(x, cos, sin)  # type: ignore[attr-defined]
+    exact = _rotary(x, cos[:, None, None], sin[:, None, None], torch.bfloat16)
+    assert torch.equal(out.isnan(), exact.isnan()) and torch.equal(out[~out.isnan()], exact[~exact.isnan()])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_rotary_bf16_refuses_inputs_it_was_not_written_for(isa: str) -> None:
+    kernel = _kernel(isa)
+    x = torch.zeros(4, 2, 3, 8, dtype=torch.bfloat16)
+    cos = torch.zeros(4, 4)
+    with pytest.raises(RuntimeError, match="bfloat16 CPU tensor"):
+        kernel.rotary_bf16(x.float(), cos, cos)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="contiguous last dim"):
+        kernel.rotary_bf16(torch.zeros(4, 2, 8, 3, dtype=torch.bfloat16).transpose(2, 3), cos, cos)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=r"\[rows, dim / 2\] float32"):
+        kernel.rotary_bf16(x, torch.zeros(4, 8), cos)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=r"\[rows, dim / 2\] float32"):
+        kernel.rotary_bf16(x, cos.bfloat16(), cos)  # type: ignore[attr-defined]
+
+
+def test_tower_rotary_takes_the_kernel_only_in_eager_bf16_inference() -> None:
+    kernel = _kernel()
+    generator = torch.Generator().manual_seed(6)
+    qk = torch.randn(20, 2, 2, 16, generator=generator).bfloat16()
+    cos, sin = torch.rand(20, 8, generator=generator), torch.rand(20, 8, generator=generator)
+    assert native.bf16_kernel_for(qk) is kernel
+    assert native.bf16_kernel_for(qk.float()) is None
+    assert native.bf16_kernel_for(qk.clone().requires_grad_()) is None
+    reference = _rotary(qk, cos[:, None, None], sin[:, None, None], torch.bfloat16)
+    assert torch.equal(_rotary_qk(qk, cos, sin, torch.bfloat16), reference)
+    native.configure("sdpa")  # no kernel: torch's element-wise ops, the same values
+    assert native.bf16_kernel_for(qk) is None
+    assert torch.equal(_rotary_qk(qk, cos, sin, torch.bfloat16), reference)
+    f32 = qk.float()
+    assert torch.equal(_rotary_qk(f32, cos, sin, torch.float32), _rotary(f32, cos[:, None, None], sin[:, None, None],
+                                                                         torch.float32))

@@ -228,6 +228,18 @@ def elementwise_kernel_for(x: torch.Tensor) -> ModuleType | None:
     return _loaded()
 
 
+def bf16_kernel_for(x: torch.Tensor) -> ModuleType | None:
+    """The kernel if its bfloat16 functions (``rotary_bf16``) take ``x``, else ``None`` (use torch's).
+
+    Bfloat16 on the CPU, outside autograd and outside a graph being compiled (Inductor fuses the
+    same element-wise math there).
+    """
+    if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or (x.requires_grad and torch.is_grad_enabled())
+            or torch.compiler.is_compiling()):
+        return None
+    return _loaded()
+
+
 def _loaded() -> ModuleType | None:
     """The process's kernel, loaded (or built) on first use as the mode says."""
     if not _state.tried:
