@@ -208,10 +208,12 @@ class EncoderServerConfig:
              "naming its architecture)")
     tower_dtype: str = setting(
         "auto", env="EPD_TOWER_DTYPE",
-        help="dtype the tower computes in: float32, bfloat16, float16, or auto (float32 for epd-cache's "
-             "Qwen3-VL tower, the cache's dtype for the vLLM tower). bfloat16 runs the matmuls on a CPU's "
-             "AMX or AVX-512 BF16 units, several times faster than float32 (BENCHMARKS.md); rows computed in "
-             "another dtype get other mm_hashes, so encoders of a pool must agree")
+        help="dtype the tower computes in: float32, bfloat16, float16, or auto (for epd-cache's Qwen3-VL "
+             "tower the dtype the checkpoint declares, read as vLLM reads it: config.json's dtype, its "
+             "text_config's, its vision_config's, else the vision tensors' stored dtype; float32 without "
+             "--weights; for the vLLM tower the cache's dtype). bfloat16 runs the matmuls on a CPU's AMX or "
+             "AVX-512 BF16 units, several times faster than float32 (BENCHMARKS.md); rows computed in another "
+             "dtype get other mm_hashes, so encoders of a pool must agree")
     device: str = setting("cpu", env="EPD_DEVICE", help="torch device for the encoder and the cache")
     encoder_backend: str = setting(
         "auto", env="EPD_ENCODER_BACKEND",
