@@ -49,11 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _procs import png, start_encoder, stop  # noqa: E402
 from common.config import PrefillConfig  # noqa: E402
 from common.metrics import PrefillMetrics  # noqa: E402
-from prefill_client.chat import ChatRequest, MediaItem  # noqa: E402
-from prefill_client.cli import build_worker  # noqa: E402
-from prefill_client.client import EncoderCacheClient  # noqa: E402
-from prefill_client.encoder_conn import MediaSpec  # noqa: E402
-from prefill_client.worker import PrefillWorker  # noqa: E402
+from prefill_client.reference.chat import ChatRequest, MediaItem  # noqa: E402
+from prefill_client.reference.cli import build_worker  # noqa: E402
+from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
+from prefill_client.consumer.connection import MediaSpec  # noqa: E402
+from prefill_client.reference.worker import PrefillWorker  # noqa: E402
 
 MODEL_ID = "tiny-qwen3-vl"
 READY_TIMEOUT_S = 180.0

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _procs import png, start_encoder, stop  # noqa: E402
 
-from prefill_client.client import EncoderCacheClient, PulledItem  # noqa: E402
-from prefill_client.encoder_conn import MediaSpec  # noqa: E402
+from prefill_client.consumer.client import EncoderCacheClient, PulledItem  # noqa: E402
+from prefill_client.consumer.connection import MediaSpec  # noqa: E402
 
 READY_TIMEOUT_S = 120.0
 MODEL = "tiny-qwen3-vl"

@@ -48,8 +48,8 @@ from pull_throughput import BareReader, timed  # noqa: E402
 
 from common.malloc import keep_freed_memory  # noqa: E402
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc  # noqa: E402
-from prefill_client.client import EncoderCacheClient  # noqa: E402
-from prefill_client.encoder_conn import MediaSpec, encode_request_bytes  # noqa: E402
+from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
+from prefill_client.consumer.connection import MediaSpec, encode_request_bytes  # noqa: E402
 
 MODEL_ID = "tiny-qwen3-vl"
 READY_TIMEOUT_S = 180.0

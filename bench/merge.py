@@ -38,12 +38,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.layout import parse_dtype  # noqa: E402
-from prefill_client.merge import (  # noqa: E402
+from prefill_client.reference.merge import (  # noqa: E402
     merge_multimodal_embeddings,
     merge_multimodal_embeddings_padded,
     new_padded_hidden,
 )
-from prefill_client.positions import ItemPlacement, build_encoder_positions  # noqa: E402
+from prefill_client.reference.positions import ItemPlacement, build_encoder_positions  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

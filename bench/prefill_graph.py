@@ -17,10 +17,10 @@ import time
 import torch
 
 from common.config import CacheMode
-from prefill_client.graph import PrefillGraph
-from prefill_client.lm import LMConfig, build_lm
-from prefill_client.positions import ItemPlacement
-from prefill_client.tokenizer import Special
+from prefill_client.reference.graph import PrefillGraph
+from prefill_client.reference.lm import LMConfig, build_lm
+from prefill_client.reference.positions import ItemPlacement
+from prefill_client.reference.tokenizer import Special
 
 CASES = ((100, 0), (40, 96), (300, 256))  # (new tokens, prefix tokens); prefix is block-aligned
 

@@ -212,7 +212,7 @@ def verified_pull(peer: ProducerPeer, remote: np.ndarray, local: np.ndarray, exp
         tags, gens = tag_array.tolist(), gen_array.tolist()
     else:  # as the client pulls
         tags, gens = peer.read_blocks_and_tags(remote, local, 60.0)
-    # The same comparisons as prefill_client.verify.verify_batch: two list compares.
+    # The same comparisons as prefill_client.consumer.verify.verify_batch: two list compares.
     if not (tags == expected[remote].tolist() and gens == [GENERATION] * len(remote)):
         raise RuntimeError(f"verification failed: tags {tags} for blocks {remote}")
 

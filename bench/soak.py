@@ -2,7 +2,7 @@
 
 Starts an encoder process with a small cache (so items are evicted and blocks
 reused all the time), then runs worker threads, each an
-:class:`~prefill_client.client.EncoderCacheClient` with its own NIXL agent,
+:class:`~prefill_client.consumer.client.EncoderCacheClient` with its own NIXL agent,
 doing a mix of Encode requests (one to three images or videos, sometimes with
 a bad item among them) and Lookups of items seen before. Every delivered
 embedding is compared with a local reference encode of its content. Every
@@ -55,8 +55,8 @@ from common.transport import PostInfo, resolve_transport_kind  # noqa: E402
 from common.wire import SERVICE_NAME, pb2, pb2_grpc  # noqa: E402
 from encoder_server.preprocess import PreprocessConfig, Preprocessor  # noqa: E402
 from encoder_server.vision import load_encoder  # noqa: E402
-from prefill_client.client import EncoderCacheClient  # noqa: E402
-from prefill_client.encoder_conn import MediaSpec, content_key  # noqa: E402
+from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
+from prefill_client.consumer.connection import MediaSpec, content_key  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 logger = logging.getLogger("soak")

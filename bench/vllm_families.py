@@ -29,8 +29,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.vllm_e2e import summary, ttft_ms  # noqa: E402
-from prefill_client.client import EncoderCacheClient  # noqa: E402
-from prefill_client.encoder_conn import MediaSpec  # noqa: E402
+from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
+from prefill_client.consumer.connection import MediaSpec  # noqa: E402
 from tests.support.families import FAMILIES  # noqa: E402
 from tests.support.qwen3vl import write_qwen3vl_checkpoint  # noqa: E402
 from tests.support.vllm_stack import image_url, start_tower_stack, vllm_missing  # noqa: E402

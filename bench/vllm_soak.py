@@ -49,8 +49,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefill_client.client import EncoderCacheClient  # noqa: E402
-from prefill_client.encoder_conn import MediaSpec  # noqa: E402
+from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
+from prefill_client.consumer.connection import MediaSpec  # noqa: E402
 from tests.support.procs import EncoderProcess, start_encoder  # noqa: E402
 from tests.support.qwen3vl import noise_vision_copy, write_qwen3vl_checkpoint  # noqa: E402
 from tests.support.vllm_stack import (  # noqa: E402

@@ -3,7 +3,7 @@
 Every error the project raises on purpose derives from ``EpdError`` and carries
 the gRPC status it maps to, so the servicer aborts with
 ``context.abort(err.grpc_code, str(err))`` and a client maps a status back with
-:func:`prefill_client.encoder_conn.status_error`::
+:func:`prefill_client.consumer.connection.status_error`::
 
     EpdError                      INTERNAL
     ├── ConfigError               INVALID_ARGUMENT   (also a ValueError)

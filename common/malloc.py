@@ -16,7 +16,7 @@ threshold at 256 MiB (``mallopt``), so buffers up to 64 MiB come from the heap
 and up to 256 MiB of freed heap stay mapped for reuse: a process's resident
 memory may stay that much above its live data. It runs once at the start of
 ``epd encoder`` and ``epd prefill`` (``--keep-freed-memory``). A library user
-(a vLLM worker holding an :class:`~prefill_client.client.EncoderCacheClient`)
+(a vLLM worker holding an :class:`~prefill_client.consumer.client.EncoderCacheClient`)
 can call it, or set glibc's own ``MALLOC_MMAP_THRESHOLD_`` /
 ``MALLOC_TRIM_THRESHOLD_``; when either is set in the environment this
 module leaves malloc alone. Elsewhere than glibc it does nothing.

@@ -195,7 +195,7 @@ class PrefillMetrics(InputProcessorMetrics):
             EPD_LOAD_FAILURES, "ECLoadFailure raised, by reason", ["reason"], registry=r)
         self.handshakes = Counter(
             EPD_HANDSHAKES, "Handshakes with encoders, by result", ["result"], registry=r)
-        # Encoder membership (prefill_client.pool): what the last refresh found.
+        # Encoder membership (prefill_client.consumer.pool): what the last refresh found.
         self.encoders_known = Gauge(
             EPD_ENCODERS_KNOWN, "Encoders the targets resolve to now", registry=r, multiprocess_mode="sum")
         self.encoders_ready = Gauge(

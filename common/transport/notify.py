@@ -5,7 +5,7 @@ transfer completes, so a consumer may release leases on its stamp READ. The
 encoder accepts them from any consumer. This project's client does not send
 them: a READ with a notification waits for the encoder's agent to make
 progress, so it releases by a batched Release RPC instead
-(:mod:`prefill_client.releaser`). The encoder decodes whatever arrives and
+(:mod:`prefill_client.consumer.release`). The encoder decodes whatever arrives and
 must not trust it: every malformed message is a ``ValueError`` naming what is
 wrong.
 

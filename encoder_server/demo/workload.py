@@ -19,7 +19,7 @@ turn  action          what it exercises
 
 Turns past six start the script again with the next images of the pool. The
 requests are written in ``epd prefill``'s JSONL format
-(:mod:`prefill_client.chat`), one file per worker, media paths relative to it.
+(:mod:`prefill_client.reference.chat`), one file per worker, media paths relative to it.
 """
 
 from __future__ import annotations

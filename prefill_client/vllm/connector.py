@@ -54,7 +54,7 @@ from common.metrics import PrefillMetrics
 from common.vllm_rows import row_width as model_row_width
 from prefill_client.vllm import channel
 from prefill_client.vllm.items import Wanted, shape_problem, wanted_items, worker_device
-from prefill_client.vllm.params import from_params
+from prefill_client.handoff import from_params
 from prefill_client.vllm.worker_pulls import WorkerLoader, WorkerPulls
 
 if TYPE_CHECKING:
@@ -62,7 +62,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    from prefill_client.client import EncoderCacheClient, Placement
+    from prefill_client.consumer.client import EncoderCacheClient
+    from prefill_client.handoff import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class EpdCacheConnector(ECConnectorBase):  # type: ignore[misc]
                         ",".join(self._cfg.encoders), self._cfg.model_id, self._cfg.pull_on.value)
 
     def _start_tracking(self, vllm_config: VllmConfig, metrics: PrefillMetrics) -> WorkerPulls:
-        from prefill_client.client import EncoderCacheClient
+        from prefill_client.consumer.client import EncoderCacheClient
 
         # This client pulls nothing (the workers do): it looks items up and gives leases back.
         client = EncoderCacheClient.from_config(
@@ -221,7 +222,7 @@ class _SchedulerPulls:
 
     @classmethod
     def start(cls, cfg: PrefillConfig, width: int | None, metrics: PrefillMetrics) -> _SchedulerPulls:
-        from prefill_client.client import EncoderCacheClient
+        from prefill_client.consumer.client import EncoderCacheClient
 
         return cls(EncoderCacheClient.from_config(cfg, metrics, probe_connections=True), width)
 

@@ -31,12 +31,13 @@ from common.errors import ConfigError, ECLoadFailure, EpdError, LoadFailureReaso
 from common.metrics import PrefillMetrics
 from prefill_client.vllm.channel import SchedulerChannel, WorkerChannel
 from prefill_client.vllm.items import Wanted, shape_problem, wanted_items, worker_device
-from prefill_client.vllm.params import KEY, from_params, to_params
+from prefill_client.handoff import KEY, from_params, to_params
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from prefill_client.client import EncoderCacheClient, Placement
+    from prefill_client.consumer.client import EncoderCacheClient
+    from prefill_client.handoff import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +308,7 @@ class WorkerLoader:
     @classmethod
     def start(cls, cfg: PrefillConfig, width: int | None, dtype: torch.dtype, channel_address: str,
               rank: int) -> WorkerLoader:
-        from prefill_client.client import EncoderCacheClient
+        from prefill_client.consumer.client import EncoderCacheClient
 
         device = worker_device()
         client = EncoderCacheClient.from_config(cfg, PrefillMetrics(), landing_device=device, probe_connections=True)

@@ -18,7 +18,7 @@ from common.config import TlsConfig
 from common.errors import CacheFullError
 from common.metrics import PrefillMetrics
 from common.transport import ConsumerTransport
-from prefill_client.encoder_conn import EncoderConnection, MediaSpec
+from prefill_client.consumer.connection import EncoderConnection, MediaSpec
 from tests.support.media import image_bytes
 
 MODEL = "tiny-qwen3-vl"

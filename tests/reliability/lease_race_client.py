@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from prefill_client.client import EncoderCacheClient
-from prefill_client.encoder_conn import MediaSpec
+from prefill_client.consumer.client import EncoderCacheClient
+from prefill_client.consumer.connection import MediaSpec
 from tests.support.outcomes import classify
 from tests.support.reference import matches
 

@@ -32,8 +32,8 @@ import pytest
 from common import metrics
 from common.errors import ECLoadFailure, LoadFailureReason
 from common.wire import pb2, pb2_grpc
-from prefill_client.client import EncoderCacheClient
-from prefill_client.encoder_conn import MediaSpec
+from prefill_client.consumer.client import EncoderCacheClient
+from prefill_client.consumer.connection import MediaSpec
 from tests.reliability.support import (
     MODEL,
     SERVING,

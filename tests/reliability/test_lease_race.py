@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefill_client.client import EncoderCacheClient
-from prefill_client.encoder_conn import MediaSpec
+from prefill_client.consumer.client import EncoderCacheClient
+from prefill_client.consumer.connection import MediaSpec
 from tests.reliability.conftest import SHARED_TRANSPORT
 from tests.reliability.support import MODEL, SERVING, health, occupancy, start_encoder_soon, wait_until
 from tests.support.json_lines import last_json_object

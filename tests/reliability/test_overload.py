@@ -19,8 +19,8 @@ from collections import Counter
 from pathlib import Path
 
 from common.transport import ConsumerTransport
-from prefill_client.client import EncoderCacheClient
-from prefill_client.encoder_conn import MediaSpec
+from prefill_client.consumer.client import EncoderCacheClient
+from prefill_client.consumer.connection import MediaSpec
 from tests.reliability.conftest import SHARED_TRANSPORT
 from tests.reliability.support import MODEL, SERVING, health, occupancy, wait_until
 from tests.support.media import image_bytes

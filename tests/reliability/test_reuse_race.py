@@ -5,7 +5,7 @@ and re-allocates blocks as fast as it can, to other items and to the same
 item again (ABA). Several consumers, each with its own agent, pull item
 locations from its directory -- often already stale, as a consumer whose lease
 expired would hold -- and run the client's protocol: block READ, then tag
-READ, then :func:`prefill_client.client.verify_item`. With the mock agent a
+READ, then :func:`prefill_client.consumer.client.verify_item`. With the mock agent a
 hook adds delays between the two READs; with real NIXL nothing is injected.
 
 Besides the client's verdict, every pull is judged independently: the landed
@@ -35,7 +35,7 @@ import torch
 from common.errors import ECLoadFailure, LoadFailureReason
 from common.transport import ConsumerTransport, PostInfo, sweep_stale_segments
 from common.wire import pb2
-from prefill_client.client import check_location, gather_rows, verify_item
+from prefill_client.consumer.client import check_location, gather_rows, verify_item
 from tests.reliability.race import H_ITERATIONS, Directory, RaceSpec
 from tests.transport_params import TRANSPORTS
 

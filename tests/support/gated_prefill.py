@@ -1,7 +1,7 @@
 """`epd prefill` that waits for a line on stdin before each request (prefill process, system tests).
 
 Run as ``python -m tests.support.gated_prefill <epd prefill flags>``. Everything
-is the real command (:func:`prefill_client.cli.main`: config, client, worker,
+is the real command (:func:`prefill_client.reference.cli.main`: config, client, worker,
 ``/metrics`` server, ready file, output lines); only the worker's ``prefill``
 is wrapped so that a test can scrape both processes' ``/metrics`` between two
 requests of one worker (the layer caches live in the worker, so the
@@ -16,9 +16,9 @@ import sys
 
 from common.config import PrefillConfig
 from common.metrics import PrefillMetrics
-from prefill_client import cli
-from prefill_client.chat import ChatRequest
-from prefill_client.worker import PrefillResult, PrefillWorker
+from prefill_client.reference import cli
+from prefill_client.reference.chat import ChatRequest
+from prefill_client.reference.worker import PrefillResult, PrefillWorker
 
 GATE_TIMEOUT_S = 120.0
 

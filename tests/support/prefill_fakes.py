@@ -8,11 +8,11 @@ import torch
 
 from common import media
 from common.media import PreprocessParams
-from prefill_client.chat import ChatRequest, MediaItem
-from prefill_client.client import PulledItem
-from prefill_client.encoder_conn import MediaSpec, content_key
-from prefill_client.lm import LMConfig, TinyLM, build_lm
-from prefill_client.worker import WorkerLimits
+from prefill_client.reference.chat import ChatRequest, MediaItem
+from prefill_client.consumer.client import PulledItem
+from prefill_client.consumer.connection import MediaSpec, content_key
+from prefill_client.reference.lm import LMConfig, TinyLM, build_lm
+from prefill_client.reference.worker import WorkerLimits
 from tests.support.media import image_bytes
 
 MODEL_ID = "tiny-qwen3-vl"

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from prefill_client.client import EncoderCacheClient, PulledItem
-from prefill_client.encoder_conn import MediaSpec
+from prefill_client.consumer.client import EncoderCacheClient, PulledItem
+from prefill_client.consumer.connection import MediaSpec
 
 MODEL_ID = "tiny-qwen3-vl"
 

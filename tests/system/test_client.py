@@ -10,8 +10,8 @@ import pytest
 from common import media
 from common.errors import CacheFullError, ECLoadFailure, InvalidMediaError, LoadFailureReason
 from common.transport import PostInfo
-from prefill_client.client import EncoderCacheClient
-from prefill_client.encoder_conn import MediaSpec
+from prefill_client.consumer.client import EncoderCacheClient
+from prefill_client.consumer.connection import MediaSpec
 from tests.support.media import image_bytes, video_frames
 from tests.support.ports import free_port
 from tests.support.procs import start_encoder

@@ -21,8 +21,8 @@ import torch
 
 from common.errors import ECLoadFailure, LoadFailureReason
 from common.weights_digest import checkpoint_digest
-from prefill_client.client import EncoderCacheClient
-from prefill_client.encoder_conn import MediaSpec
+from prefill_client.consumer.client import EncoderCacheClient
+from prefill_client.consumer.connection import MediaSpec
 from tests.support.checkpoints import write_vision_checkpoint
 from tests.reliability.support import wait_until
 from tests.support.media import image_bytes

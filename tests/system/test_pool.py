@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from common.metrics import EPD_ENCODE_REQUESTS
-from prefill_client.client import EncoderCacheClient
-from prefill_client.encoder_conn import MediaSpec
-from prefill_client.routing import rendezvous_order
+from prefill_client.consumer.client import EncoderCacheClient
+from prefill_client.consumer.connection import MediaSpec
+from prefill_client.consumer.routing import rendezvous_order
 from tests.reliability.support import wait_until
 from tests.support.media import image_bytes
 from tests.support.procs import EncoderProcess, start_encoder

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from prefill_client.client import EncoderCacheClient
-from prefill_client.vllm.params import from_params
+from prefill_client.consumer.client import EncoderCacheClient
+from prefill_client.handoff import from_params
 from tests.support.procs import EncoderProcess, start_encoder
 from tests.support.vllm_stack import Server, chat_body, image_url, start_proxy
 

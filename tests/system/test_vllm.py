@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from common.weights_digest import checkpoint_digest
-from prefill_client.client import EncoderCacheClient
-from prefill_client.encoder_conn import MediaSpec
+from prefill_client.consumer.client import EncoderCacheClient
+from prefill_client.consumer.connection import MediaSpec
 from bench.vllm_soak import SoakEncoder, run_soak
 from tests.support.procs import EncoderProcess, start_encoder
 from tests.support.ports import free_port

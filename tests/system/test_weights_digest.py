@@ -10,9 +10,9 @@ import pytest
 
 from common.errors import ECLoadFailure, LoadFailureReason, WeightsMismatchError
 from common.weights_digest import checkpoint_digest
-from prefill_client.client import EncoderCacheClient
-from prefill_client.encoder_conn import MediaSpec
-from prefill_client.routing import rendezvous_order
+from prefill_client.consumer.client import EncoderCacheClient
+from prefill_client.consumer.connection import MediaSpec
+from prefill_client.consumer.routing import rendezvous_order
 from tests.support.checkpoints import write_vision_checkpoint
 from tests.support.media import image_bytes
 from tests.support.procs import EncoderProcess, start_encoder

@@ -22,7 +22,7 @@ from encoder_server.demo.verify import (
     verify_stream,
 )
 from encoder_server.demo.workload import ACTIONS, Media, PlannedRequest, generate
-from prefill_client.chat import load_requests
+from prefill_client.reference.chat import load_requests
 
 WIDTH = 192
 

@@ -36,8 +36,8 @@ from common.config import (
 )
 from common.metrics import EncoderMetrics, PrefillMetrics
 from encoder_server.vision.config import VisionConfig
-from prefill_client.chat import load_requests
-from prefill_client.cli import MAX_LINGER_S
+from prefill_client.reference.chat import load_requests
+from prefill_client.reference.cli import MAX_LINGER_S
 from tests.unit import deploy_helpers as dh
 
 REPO = Path(__file__).resolve().parents[2]

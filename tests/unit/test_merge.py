@@ -6,14 +6,14 @@ from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 from common.config import CacheMode
 from common.errors import ECLoadFailure, EncoderCacheReadError, LoadFailureReason
-from prefill_client.merge import (
+from prefill_client.reference.merge import (
     merge_deepstack_embeddings,
     merge_multimodal_embeddings,
     merge_multimodal_embeddings_padded,
     new_padded_hidden,
     split_deepstack,
 )
-from prefill_client.positions import (
+from prefill_client.reference.positions import (
     ItemPlacement,
     PositionMap,
     build_encoder_positions,

@@ -11,13 +11,13 @@ from common.errors import ECLoadFailure, EncoderCacheReadError
 from common.layout import CacheLayout
 from common.metrics import PrefillMetrics
 from encoder_server.cache_blocks import EncoderCacheBlocks
-from prefill_client.client import PulledItem
-from prefill_client.encoder_conn import content_key
-from prefill_client.merge import merge_deepstack_embeddings
-from prefill_client.monolithic import EncodedItem, MonolithicReader, MonolithicSource
-from prefill_client.positions import build_encoder_positions
-from prefill_client.rows import ScheduledItem, StagingRows
-from prefill_client.worker import PrefillWorker
+from prefill_client.consumer.client import PulledItem
+from prefill_client.consumer.connection import content_key
+from prefill_client.reference.merge import merge_deepstack_embeddings
+from prefill_client.reference.monolithic import EncodedItem, MonolithicReader, MonolithicSource
+from prefill_client.reference.positions import build_encoder_positions
+from prefill_client.reference.rows import ScheduledItem, StagingRows
+from prefill_client.reference.worker import PrefillWorker
 from tests.support.prefill_fakes import (
     FAT_DIM, FINGERPRINT, FRESH, LIMITS, MODEL_ID, PARAMS, TURN1, TURN2, TURN3, FakeSource, make_lm, rows_for,
     spec_tokens,

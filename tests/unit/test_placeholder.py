@@ -12,9 +12,9 @@ from PIL import Image
 from common.errors import HandshakeError
 from common.placeholder import MAX_VALUES, PlaceholderField, as_json, from_proto, to_proto
 from common.wire import pb2
-from prefill_client.client import Placement
-from prefill_client.encoder_conn import MediaSpec
-from prefill_client.proxy import _Part
+from prefill_client.handoff import Placement
+from prefill_client.consumer.connection import MediaSpec
+from prefill_client.proxy.app import _Part
 
 
 def test_fields_keep_name_shape_type_and_values_through_the_wire_and_json() -> None:

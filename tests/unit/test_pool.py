@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2
 
 from common.errors import ConfigError, WeightsMismatchError
 from common.metrics import PrefillMetrics
-from prefill_client import pool as pool_module
-from prefill_client.pool import EncoderPool
-from prefill_client.routing import rendezvous_order
+from prefill_client.consumer import pool as pool_module
+from prefill_client.consumer.pool import EncoderPool
+from prefill_client.consumer.routing import rendezvous_order
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -8,9 +8,9 @@ import urllib.request
 import pytest
 
 from common.errors import InvalidRequestError
-from prefill_client import cli
-from prefill_client.chat import MediaItem, load_requests
-from prefill_client.worker import PrefillWorker
+from prefill_client.reference import cli
+from prefill_client.reference.chat import MediaItem, load_requests
+from prefill_client.reference.worker import PrefillWorker
 from tests.support.prefill_fakes import LIMITS, MODEL_ID, FakeSource, make_lm, png
 
 

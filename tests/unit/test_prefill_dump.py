@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-from prefill_client import cli
-from prefill_client.client import PulledItem
-from prefill_client.dump import REQUESTS_FILE, MergeRecorder
-from prefill_client.rows import ScheduledItem, StagingRows
-from prefill_client.worker import PrefillWorker
+from prefill_client.reference import cli
+from prefill_client.consumer.client import PulledItem
+from prefill_client.reference.dump import REQUESTS_FILE, MergeRecorder
+from prefill_client.reference.rows import ScheduledItem, StagingRows
+from prefill_client.reference.worker import PrefillWorker
 from tests.support.prefill_fakes import FAT_DIM, LIMITS, MODEL_ID, FakeSource, make_lm, png, rows_for
 
 

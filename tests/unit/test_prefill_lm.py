@@ -10,10 +10,10 @@ from torch._dynamo.testing import CompileCounter
 
 from common.config import CacheMode
 from common.errors import ConfigError, LimitExceededError
-from prefill_client.graph import PrefillGraph, bucket
-from prefill_client.lm import LMConfig, TinyLM, build_lm, load_lm, save_lm
-from prefill_client.positions import ItemPlacement
-from prefill_client.tokenizer import MIN_VOCAB_SIZE, MediaPart, Special, TextPart, render_chat, token_name
+from prefill_client.reference.graph import PrefillGraph, bucket
+from prefill_client.reference.lm import LMConfig, TinyLM, build_lm, load_lm, save_lm
+from prefill_client.reference.positions import ItemPlacement
+from prefill_client.reference.tokenizer import MIN_VOCAB_SIZE, MediaPart, Special, TextPart, render_chat, token_name
 
 CFG = LMConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                num_deepstack_levels=2)

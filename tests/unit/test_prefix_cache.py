@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefill_client.prefix_cache import (
+from prefill_client.reference.prefix_cache import (
     ROOT_HASH,
     MediaRange,
     PrefixCache,

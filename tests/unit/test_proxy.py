@@ -22,10 +22,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from common.config import ProxyConfig
 from common.errors import CacheFullError, ECLoadFailure, HandshakeError, InvalidMediaError, LoadFailureReason
 from common.wire import pb2
-from prefill_client.client import Placement
-from prefill_client.encoder_conn import MediaSpec
-from prefill_client.proxy import MAX_MODELS, Proxy
-from prefill_client.vllm.params import from_params
+from prefill_client.handoff import Placement
+from prefill_client.consumer.connection import MediaSpec
+from prefill_client.proxy.app import MAX_MODELS, Proxy
+from prefill_client.handoff import from_params
 
 PNG = b"\x89PNG fake bytes"
 
@@ -206,7 +206,7 @@ def test_videos_become_embeds_parts_with_their_timestamps() -> None:
 
 
 def test_video_timestamps_follow_vllm() -> None:
-    from prefill_client.proxy import video_timestamps
+    from prefill_client.proxy.app import video_timestamps
 
     assert video_timestamps(4, 1.0, 2) == [0.5, 2.5]
     assert video_timestamps(3, 1.0, 2) == [0.5, 2.0]  # the last frame repeated

@@ -1,4 +1,4 @@
-"""The batch checks of a verified pull (prefill_client.verify), on plain numbers."""
+"""The batch checks of a verified pull (prefill_client.consumer.verify), on plain numbers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from common.errors import ECLoadFailure, LoadFailureReason
 from common.fingerprint import mm_hash_fingerprint
 from common.wire import pb2
-from prefill_client.verify import gather_batch, verify_batch
+from prefill_client.consumer.verify import gather_batch, verify_batch
 
 HASHES = ["a" * 32, "b" * 32, "c" * 32]
 

@@ -17,8 +17,9 @@ import torch
 from common.errors import ConfigError, ECLoadFailure, LoadFailureReason
 from common.metrics import PrefillMetrics
 from common.wire import pb2
-from prefill_client.client import Placement, PulledItem
-from prefill_client.vllm.params import from_params, to_params
+from prefill_client.consumer.client import PulledItem
+from prefill_client.handoff import Placement
+from prefill_client.handoff import from_params, to_params
 
 WIDTH = 192
 

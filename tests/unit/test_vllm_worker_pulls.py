@@ -19,8 +19,9 @@ import torch
 from common.errors import ECLoadFailure, LoadFailureReason
 from common.metrics import PrefillMetrics
 from common.wire import pb2
-from prefill_client.client import Placement, PulledItem
-from prefill_client.vllm.params import to_params
+from prefill_client.consumer.client import PulledItem
+from prefill_client.handoff import Placement
+from prefill_client.handoff import to_params
 
 pytest.importorskip("vllm", reason="the connector module imports vLLM")
 pytest.importorskip("zmq", reason="the connector's channel is ZeroMQ")

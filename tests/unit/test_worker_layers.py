@@ -14,10 +14,10 @@ from common.config import CacheMode
 from common.errors import ECLoadFailure, HandshakeError, LimitExceededError, LoadFailureReason
 from common.media import PreprocessParams
 from common.metrics import PrefillMetrics
-from prefill_client.chat import ChatRequest, MediaItem
-from prefill_client.positions import ItemPlacement
-from prefill_client.rows import StagingRows
-from prefill_client.worker import PrefillWorker, WorkerLimits
+from prefill_client.reference.chat import ChatRequest, MediaItem
+from prefill_client.reference.positions import ItemPlacement
+from prefill_client.reference.rows import StagingRows
+from prefill_client.reference.worker import PrefillWorker, WorkerLimits
 from tests.support.prefill_fakes import (
     BLOCK, FRESH, HIDDEN, IMG, LEVELS, LIMITS, MODEL_ID, TURN1, TURN2, TURN3, FakeSource, make_lm, png,
 )

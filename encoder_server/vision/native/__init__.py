@@ -4,7 +4,10 @@
 for the kernel on every call and runs torch's SDPA where it gets ``None``:
 a GPU, a dtype other than float32, a head size the kernel has no variant
 for, a CPU without AVX2 and FMA, or the ``sdpa`` mode. Both compute the same
-attention (``tests/unit/test_native_attention.py`` compares them).
+attention (``tests/unit/test_native_attention.py`` compares them). The same library
+holds two element-wise steps of the eager tower: ``gelu_tanh`` (float32,
+:func:`elementwise_kernel_for`) and ``rotary_bf16`` (q and k rotated in bfloat16,
+:func:`bf16_kernel_for`).
 
 One source, two builds: for AVX-512 CPUs (``-mavx512f``) and for AVX2 ones
 (``-mavx2 -mfma``); a process loads the widest its CPU runs, as torch's own

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from common import media
 from common.errors import HandshakeError, InvalidMediaError
 from common.metrics import InputProcessorMetrics
-from prefill_client.chat import MediaItem
+from prefill_client.reference.chat import MediaItem
 
 logger = logging.getLogger(__name__)
 

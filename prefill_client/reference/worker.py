@@ -5,9 +5,9 @@ counting its metrics on the worker's registry:
 
 1. **input processor** (layer 1) on every media item of the request, hit or
    not: ``mm_cache_queries`` +1 per item, ``mm_cache_hits`` +1 when its
-   content hash was seen (:mod:`prefill_client.input_processor`);
+   content hash was seen (:mod:`prefill_client.reference.input_processor`);
 2. the prompt is rendered with one placeholder per merged token
-   (:mod:`prefill_client.tokenizer`);
+   (:mod:`prefill_client.reference.tokenizer`);
 3. **prefix cache** (layer 2b): every full block before the last prompt token
    is a ``prefix_cache_queries``; the leading run of cached blocks are
    ``prefix_cache_hits`` (the run stops at the first miss). An item whose
@@ -41,15 +41,15 @@ from common.config import CacheMode
 from common.errors import ECLoadFailure, HandshakeError, LimitExceededError
 from common.media import PreprocessParams
 from common.metrics import PrefillMetrics
-from prefill_client.chat import ChatRequest, MediaItem
-from prefill_client.client import PulledItem
-from prefill_client.encoder_conn import MediaSpec
-from prefill_client.graph import PrefillGraph, bucket
-from prefill_client.input_processor import InputProcessor, MediaInfo
-from prefill_client.lm import TinyLM
-from prefill_client.prefix_cache import MediaRange, PrefixCache, block_hashes
-from prefill_client.rows import RowStore, ScheduledItem, StagingRows
-from prefill_client.tokenizer import MediaPart, RenderedPrompt, TextPart, render_chat
+from prefill_client.reference.chat import ChatRequest, MediaItem
+from prefill_client.consumer.client import PulledItem
+from prefill_client.consumer.connection import MediaSpec
+from prefill_client.reference.graph import PrefillGraph, bucket
+from prefill_client.reference.input_processor import InputProcessor, MediaInfo
+from prefill_client.reference.lm import TinyLM
+from prefill_client.reference.prefix_cache import MediaRange, PrefixCache, block_hashes
+from prefill_client.reference.rows import RowStore, ScheduledItem, StagingRows
+from prefill_client.reference.tokenizer import MediaPart, RenderedPrompt, TextPart, render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ _LAYER_OF_SOURCE = {"local": LOCAL, "hit": ENCODER_HIT, "miss": ENCODER_MISS}
 
 
 class EmbeddingSource(Protocol):
-    """What the worker needs from :class:`prefill_client.client.EncoderCacheClient`."""
+    """What the worker needs from :class:`prefill_client.consumer.client.EncoderCacheClient`."""
 
     def encode(self, items: Sequence[MediaSpec]) -> list[PulledItem]: ...
 

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from common.config import CacheMode
-from prefill_client.positions import ItemPlacement
-from prefill_client.rows import RowStore, ScheduledItem
+from prefill_client.reference.positions import ItemPlacement
+from prefill_client.reference.rows import RowStore, ScheduledItem
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ to miss:
 1. READ the item's blocks into our landing blocks and wait (with a deadline);
 2. only then READ the blocks' tags and generations (a second transfer);
 3. compare each tag with ``mm_hash_fingerprint(mm_hash)`` computed here and
-   each generation with the one the location named (:mod:`prefill_client.verify`);
-4. give the leases back, in batches off the pull path (:mod:`prefill_client.releaser`).
+   each generation with the one the location named (:mod:`prefill_client.consumer.verify`);
+4. give the leases back, in batches off the pull path (:mod:`prefill_client.consumer.release`).
 
 Requests are batched: one RPC per encoder for all of its items, and one block
 READ and one tag READ for all of them (split only when the landing pool is
@@ -57,14 +57,13 @@ from common.errors import (
 )
 from common.media import PreprocessParams
 from common.metrics import PrefillMetrics
-from common.placeholder import PlaceholderField
-from common.placeholder import from_proto as placeholder_from_proto
 from common.transport import ConsumerTransport
 from common.wire import pb2
-from prefill_client.encoder_conn import EncoderConnection, MediaSpec
-from prefill_client.releaser import LeaseReleaser
-from prefill_client.pool import DEFAULT_REFRESH_INTERVAL_S, EncoderPool
-from prefill_client.verify import check_location, gather_batch, gather_rows, verify_batch, verify_item
+from prefill_client.consumer.connection import EncoderConnection, MediaSpec
+from prefill_client.handoff import Placement
+from prefill_client.consumer.release import LeaseReleaser
+from prefill_client.consumer.pool import DEFAULT_REFRESH_INTERVAL_S, EncoderPool
+from prefill_client.consumer.verify import check_location, gather_batch, gather_rows, verify_batch, verify_item
 
 logger = logging.getLogger(__name__)
 
@@ -93,37 +92,6 @@ class PulledItem:
     @property
     def num_tokens(self) -> int:
         return int(self.embeddings.shape[0])
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """An item encoded (or found) on an encoder and leased there, not pulled yet.
-
-    What a front end (``epd proxy``) hands to the process that will pull it (the vLLM
-    connector): the encoder, the incarnation the location belongs to, and the location.
-    Nothing in it needs trusting: the pull verifies tag and generation after the data, so a
-    stale or forged placement is an ``ECLoadFailure``, never wrong rows.
-    """
-
-    mm_hash: str
-    encoder: str
-    incarnation_id: str
-    location: pb2.ItemLocation
-    weights_digest: str = ""
-    owner: str = ""  # the consumer id the lease was granted to (the one that placed the item)
-
-    @property
-    def grid_thw(self) -> tuple[int, ...]:
-        return tuple(self.location.grid_thw)
-
-    @property
-    def placeholder(self) -> tuple[PlaceholderField, ...]:
-        """The fields that size the item's placeholders in the engine (see :mod:`common.placeholder`)."""
-        return placeholder_from_proto(self.location.placeholder)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.location.num_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +179,7 @@ class EncoderCacheClient:
         another digest are refused (:class:`WeightsMismatchError`) and their items go to the
         next encoder. None accepts any encoder, and keeps items of different weights apart.
         ``membership_refresh_s``: how often the targets are resolved again and every encoder's
-        readiness asked (:class:`~prefill_client.pool.EncoderPool`; 0: only at start).
+        readiness asked (:class:`~prefill_client.consumer.pool.EncoderPool`; 0: only at start).
         ``landing_device``: where the NIXL-registered landing pool lives, and so the pulled rows
         (a GPU's memory on CUDA: the READ lands on the device). ``probe_connections``: read one
         tag from each encoder as it is connected, so the first request does not pay the

@@ -18,7 +18,7 @@ gets the media the encoder encoded, as a data URL, with ``"uuid": MM_HASH``: vLL
 counts the placeholders, and the rows still come from the encoder.
 
 and the leased locations go in the request's ``ec_transfer_params``
-(:mod:`prefill_client.vllm.params`), where the backend's ``EpdCacheConnector`` finds them and
+(:mod:`prefill_client.handoff`), where the backend's ``EpdCacheConnector`` finds them and
 pulls the rows, verified. The request then goes to a backend (round robin, the next one when one
 is unreachable) and its answer comes back as it is, streamed when it streams.
 
@@ -73,10 +73,11 @@ from common.errors import (
     WeightsMismatchError,
 )
 from common.placeholder import as_json
-from prefill_client.client import EncoderCacheClient, Placement
-from prefill_client.encoder_conn import MediaSpec
-from prefill_client.vllm.params import KEY as PARAMS_KEY
-from prefill_client.vllm.params import to_params
+from prefill_client.consumer.client import EncoderCacheClient
+from prefill_client.handoff import Placement
+from prefill_client.consumer.connection import MediaSpec
+from prefill_client.handoff import KEY as PARAMS_KEY
+from prefill_client.handoff import to_params
 
 logger = logging.getLogger(__name__)
 

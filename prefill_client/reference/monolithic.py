@@ -29,10 +29,10 @@ import torch
 from common.config import CacheMode
 from common.errors import EncoderCacheReadError
 from common.media import PreprocessParams
-from prefill_client.client import PulledItem
-from prefill_client.encoder_conn import MediaSpec
-from prefill_client.positions import ItemPlacement, check_num_tokens
-from prefill_client.rows import ScheduledItem
+from prefill_client.consumer.client import PulledItem
+from prefill_client.consumer.connection import MediaSpec
+from prefill_client.reference.positions import ItemPlacement, check_num_tokens
+from prefill_client.reference.rows import ScheduledItem
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class LocalEncoderCache(Protocol):
 
 
 class MonolithicReader:
-    """Placements into the local cache buffer; a :class:`prefill_client.rows.RowStore`."""
+    """Placements into the local cache buffer; a :class:`prefill_client.reference.rows.RowStore`."""
 
     def __init__(self, cache: LocalEncoderCache) -> None:
         self.cache = cache

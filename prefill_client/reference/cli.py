@@ -1,13 +1,13 @@
 """``epd prefill``: run chat requests through the reference prefill worker (prefill process).
 
-Reads one JSON request per line (see :mod:`prefill_client.chat`), handshakes
+Reads one JSON request per line (see :mod:`prefill_client.reference.chat`), handshakes
 with the encoders, and prints one line per request: its index, first token,
 time to first token and, for each media item, the cache layer that served
 it (``prefix``, ``local``, ``encoder-hit``, ``encoder-miss``). ``--json``
 adds a summary object as the last line. The worker's ``/metrics`` is served
 while the requests run (and ``--linger-s`` longer; SIGTERM ends the wait and
 the worker exits 0 when every request ran). ``--dump-dir`` keeps the rows the
-worker merged for each request and item (see :mod:`prefill_client.dump`), so
+worker merged for each request and item (see :mod:`prefill_client.reference.dump`), so
 another process can check them against its own encode.
 
 Exit status: 0 when every request ran, 1 on ``ECLoadFailure`` (the worker
@@ -33,10 +33,10 @@ from common.config import PrefillConfig, add_arguments, build
 from common.errors import ConfigError, ECLoadFailure, EpdError
 from common.malloc import keep_freed_memory
 from common.metrics import PrefillMetrics
-from prefill_client.chat import ChatRequest, load_requests
-from prefill_client.dump import MergeRecorder, write_request
-from prefill_client.tokenizer import token_name
-from prefill_client.worker import PrefillResult, PrefillWorker, WorkerLimits
+from prefill_client.reference.chat import ChatRequest, load_requests
+from prefill_client.reference.dump import MergeRecorder, write_request
+from prefill_client.reference.tokenizer import token_name
+from prefill_client.reference.worker import PrefillResult, PrefillWorker, WorkerLimits
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +128,8 @@ WorkerFactory = Callable[[PrefillConfig, PrefillMetrics], tuple[Closeable, Prefi
 
 def build_worker(cfg: PrefillConfig, metrics: PrefillMetrics) -> tuple[Closeable, PrefillWorker]:
     """The EPD client and a worker on top of it (heavy imports only once the flags parsed)."""
-    from prefill_client.client import EncoderCacheClient
-    from prefill_client.lm import LMConfig, build_lm
+    from prefill_client.consumer.client import EncoderCacheClient
+    from prefill_client.reference.lm import LMConfig, build_lm
 
     client = EncoderCacheClient.from_config(cfg, metrics)
     try:

@@ -5,7 +5,7 @@ answers "which encoders, in which order, for this item". It follows the
 cluster without a restart:
 
 - **Membership.** The targets (``HOST:PORT``, ``dns:///NAME:PORT``,
-  ``file:PATH``; :mod:`prefill_client.routing`) are resolved again every
+  ``file:PATH``; :mod:`prefill_client.consumer.routing`) are resolved again every
   ``refresh_interval_s``, and at once after an encoder failed a call. New
   encoders join the rendezvous; encoders that are no longer listed leave it
   (their connection is closed a grace period later, once the leases it
@@ -38,8 +38,8 @@ from grpc_health.v1 import health_pb2
 
 from common.errors import ConfigError, EpdError, WeightsMismatchError
 from common.metrics import PrefillMetrics
-from prefill_client.encoder_conn import EncoderConnection
-from prefill_client.routing import rendezvous_order, resolve_targets
+from prefill_client.consumer.connection import EncoderConnection
+from prefill_client.consumer.routing import rendezvous_order, resolve_targets
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ item lives, and removing one encoder moves only that encoder's items.
 Targets are ``HOST:PORT`` strings; ``dns:///NAME:PORT``, which is resolved
 to every address behind the name (a headless Service lists every encoder pod);
 or ``file:PATH``, a file with one target per line (``#`` starts a comment),
-such as a mounted ConfigMap. :class:`prefill_client.pool.EncoderPool`
+such as a mounted ConfigMap. :class:`prefill_client.consumer.pool.EncoderPool`
 resolves them again while it runs, so encoders come and go without a restart.
 """
 

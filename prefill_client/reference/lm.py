@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.errors import ConfigError
-from prefill_client.tokenizer import DEFAULT_VOCAB_SIZE, MIN_VOCAB_SIZE
+from prefill_client.reference.tokenizer import DEFAULT_VOCAB_SIZE, MIN_VOCAB_SIZE
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ rows buffer is one tensor for the worker's lifetime. Variable placement is data
 each bucket pair compiles once and never again.
 
 Before the graph runs, the host proves every placeholder row of the window
-gets exactly one encoder row (:func:`prefill_client.positions.check_filled`).
+gets exactly one encoder row (:func:`prefill_client.reference.positions.check_filled`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from torch import nn
 
 from common.config import CacheMode
 from common.errors import LimitExceededError
-from prefill_client.lm import TinyLM
-from prefill_client.merge import merge_deepstack_embeddings, merge_multimodal_embeddings
-from prefill_client.positions import ItemPlacement, build_encoder_positions, check_filled, placeholder_rows
-from prefill_client.tokenizer import Special
+from prefill_client.reference.lm import TinyLM
+from prefill_client.reference.merge import merge_deepstack_embeddings, merge_multimodal_embeddings
+from prefill_client.reference.positions import ItemPlacement, build_encoder_positions, check_filled, placeholder_rows
+from prefill_client.reference.tokenizer import Special
 
 logger = logging.getLogger(__name__)
 

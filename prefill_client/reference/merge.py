@@ -2,7 +2,7 @@
 
 Everything here is shape-static: the number of blocks, the block size and the
 hidden length are fixed at warm-up, and where each row lands is data
-(``encoder_positions``, built by :mod:`prefill_client.positions`). So the
+(``encoder_positions``, built by :mod:`prefill_client.reference.positions`). So the
 functions compile with ``torch.compile(fullgraph=True)`` once and never
 recompile as positions change. The steps are ``index_select`` (gather the
 scheduled blocks out of the whole buffer) -> flatten -> ``index_put_`` (scatter

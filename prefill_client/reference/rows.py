@@ -6,7 +6,7 @@ live is a choice of buffer:
 - EPD (:class:`StagingRows`): rows pulled from an encoder are copied into a
   worker-owned staging buffer ``[num_blocks, block_size, fat_dim]``, only the
   part of each item inside the step's window.
-- monolithic (:class:`prefill_client.monolithic.MonolithicReader`): the
+- monolithic (:class:`prefill_client.reference.monolithic.MonolithicReader`): the
   encoder's own cache buffer, with the item's own block ids; nothing moves.
 
 Both check the item's stored token count against the request's placeholder
@@ -26,8 +26,8 @@ import torch
 
 from common.config import CacheMode
 from common.errors import HandshakeError, LimitExceededError
-from prefill_client.client import PulledItem
-from prefill_client.positions import ItemPlacement, check_num_tokens
+from prefill_client.consumer.client import PulledItem
+from prefill_client.reference.positions import ItemPlacement, check_num_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,9 @@
-"""What ``epd proxy`` tells the vLLM connector about a request's items: ``ec_transfer_params``.
+"""What crosses a process boundary about placed items: ``Placement`` and ``ec_transfer_params`` (proxy, connector).
 
-The proxy encodes each media item on its encoder and passes the leased location on, so the
-connector pulls it without another RPC::
+The proxy encodes each media item on its encoder and hands the leased location on in the
+request's ``ec_transfer_params``; the vLLM connector reads it there.
+
+The connector pulls each item without another RPC::
 
     {"epd_cache": {"items": {MM_HASH: {"encoder": "HOST:PORT", "incarnation": ID, "owner": CONSUMER_ID,
                                       "weights_digest": DIGEST, "location": BASE64}}}}
@@ -19,15 +21,48 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from common.errors import ConfigError
+from common.placeholder import PlaceholderField
+from common.placeholder import from_proto as placeholder_from_proto
 from common.wire import pb2
-from prefill_client.client import Placement
 
 KEY = "epd_cache"
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """An item encoded (or found) on an encoder and leased there, not pulled yet.
+
+    What a front end (``epd proxy``) hands to the process that will pull it (the vLLM
+    connector): the encoder, the incarnation the location belongs to, and the location.
+    Nothing in it needs trusting: the pull verifies tag and generation after the data, so a
+    stale or forged placement is an ``ECLoadFailure``, never wrong rows.
+    """
+
+    mm_hash: str
+    encoder: str
+    incarnation_id: str
+    location: pb2.ItemLocation
+    weights_digest: str = ""
+    owner: str = ""  # the consumer id the lease was granted to (the one that placed the item)
+
+    @property
+    def grid_thw(self) -> tuple[int, ...]:
+        return tuple(self.location.grid_thw)
+
+    @property
+    def placeholder(self) -> tuple[PlaceholderField, ...]:
+        """The fields that size the item's placeholders in the engine (see :mod:`common.placeholder`)."""
+        return placeholder_from_proto(self.location.placeholder)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.location.num_tokens)
 
 
 def to_params(placements: Sequence[Placement]) -> dict[str, Any]:
