@@ -50,14 +50,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.errors import CacheFullError, ECLoadFailure, EpdError, InvalidMediaError, TransportError  # noqa: E402
+from common.errors import CacheFullError, ECLoadFailure, EncoderCallError, EpdError, InvalidMediaError, TransportError  # noqa: E402
 from common.transport import PostInfo, resolve_transport_kind  # noqa: E402
 from common.wire import SERVICE_NAME, pb2, pb2_grpc  # noqa: E402
 from encoder_server.preprocess import PreprocessConfig, Preprocessor  # noqa: E402
 from encoder_server.vision import load_encoder  # noqa: E402
 from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
 from prefill_client.consumer.connection import MediaSpec, content_key  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
+from epd_harness.ports import free_port  # noqa: E402
 
 logger = logging.getLogger("soak")
 
@@ -191,8 +191,8 @@ def classify(exc: BaseException) -> str:
         return f"ec_load_failure:{exc.reason.value}"
     if isinstance(exc, CacheFullError):
         return "cache_full"
-    if isinstance(exc, grpc.RpcError):
-        return f"status:{exc.code().name}"
+    if isinstance(exc, EncoderCallError):
+        return f"status:{exc.code.name}"
     if isinstance(exc, EpdError):
         return f"error:{type(exc).__name__}"
     return f"crash:{type(exc).__name__}"

@@ -23,6 +23,9 @@ the gRPC status it maps to, so the servicer aborts with
     │   ├── TransportUnavailable  FAILED_PRECONDITION no NIXL package installed
     │   ├── TransferTimeout       DEADLINE_EXCEEDED  our deadline passed; landing quarantined
     │   └── PeerDisconnected      UNAVAILABLE        remote agent gone
+    ├── EncoderCallError          (its status)       an RPC to an encoder failed with no typed error above
+    │   ├── EncoderUnreachable    UNAVAILABLE        down, or left the encoder list mid-call: use another
+    │   └── EncoderCallTimeout    DEADLINE_EXCEEDED  no answer by our deadline: overloaded, not down
     ├── EncoderCacheReadError     INTERNAL           monolithic read: missing slot / token count
     └── ECLoadFailure             ABORTED            EPD consumer could not prove the data
 
@@ -59,7 +62,9 @@ class InvalidMediaError(InvalidRequestError):
     """A media item cannot be decoded or is outside the accepted limits."""
 
     def __init__(self, item: str, reason: str) -> None:
-        super().__init__(f"invalid media item {item}: {reason}")
+        prefix = f"invalid media item {item}: "
+        reason = reason.removeprefix(prefix)  # relayed from an encoder, the reason says it already
+        super().__init__(prefix + reason)
         self.item = item
         self.reason = reason
 
@@ -160,6 +165,28 @@ class TransferTimeout(TransportError):
 
 class PeerDisconnected(TransportError):
     """The remote agent went away; the peer must handshake again."""
+
+
+class EncoderCallError(EpdError):
+    """An RPC to an encoder failed with a status no typed error above stands for (the consumer side's
+    mapping, :func:`prefill_client.consumer.connection.status_error`); ``code`` is that status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class EncoderUnreachable(EncoderCallError):
+    """The encoder did not take the call (UNAVAILABLE), or its channel closed under it (CANCELLED)."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
+class EncoderCallTimeout(EncoderCallError):
+    """The encoder did not answer by the call's deadline."""
+
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class EncoderCacheReadError(EpdError):

@@ -1,4 +1,4 @@
-"""The consumer library: handshake, locate, pull and verify encoder rows (whichever process pulls).
+"""The consumer library: handshake, locate, pull and verify encoder rows (any process that pulls or places).
 
 Runs in every process that talks to encoders: ``epd proxy`` (it places items), vLLM's scheduler
 and workers (the connector pulls), and the reference prefill worker. Read :mod:`.client` first.

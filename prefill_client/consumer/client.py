@@ -1,23 +1,17 @@
-"""Consumer library of the prefill process: handshake, pull, verify (prefill process).
+"""The consumer library's entry: find items on encoders, pull them verified (any process that pulls or places).
 
-:class:`EncoderCacheClient` asks an encoder for item locations over gRPC and
-pulls the rows over NIXL in the order that makes a wrong embedding impossible
-to miss:
+:class:`EncoderCacheClient` is what ``epd proxy``, vLLM's scheduler and workers (the connector)
+and the reference prefill worker use. It composes the pieces of this package:
 
-1. READ the item's blocks into our landing blocks and wait (with a deadline);
-2. only then READ the blocks' tags and generations (a second transfer);
-3. compare each tag with ``mm_hash_fingerprint(mm_hash)`` computed here and
-   each generation with the one the location named (:mod:`prefill_client.consumer.verify`);
-4. give the leases back, in batches off the pull path (:mod:`prefill_client.consumer.release`).
+- :mod:`.connection`: one encoder's channel, handshake (once per incarnation) and RPCs;
+- :mod:`.pool` and :mod:`.routing`: the encoders known now, and which one an item goes to
+  (rendezvous hashing, the next one when one is down);
+- :mod:`.pull`: the verified pull (blocks, then tags, then the checks) and the local cache;
+- :mod:`.release`: leases given back in batches, in the name of whoever took them.
 
-Requests are batched: one RPC per encoder for all of its items, and one block
-READ and one tag READ for all of them (split only when the landing pool is
-too small).
-
-The producer stamps tag and generation before it writes any row and never
-writes a block again until it re-allocates it (which re-stamps both), so a
-match read *after* the data proves the data was the item's. Anything else is
-an :class:`ECLoadFailure`, never a silent skip.
+Requests are batched: one RPC per encoder for all of its items, and one block READ and one
+tag READ for all of them (split only when the landing pool is too small). A pull that cannot
+prove its data is an :class:`ECLoadFailure`, never a silent skip.
 
 The client is synchronous and thread-safe; :class:`AsyncEncoderCacheClient`
 wraps it for asyncio by running calls in worker threads.
@@ -33,26 +27,23 @@ import functools
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
-import grpc
-import numpy as np
 import torch
 
 from common.config import FailurePolicy, PrefillConfig, TlsConfig, TransportKind
 from common.errors import (
     CacheFullError,
     ECLoadFailure,
+    EncoderCallError,
+    EncoderCallTimeout,
+    EncoderUnreachable,
     EpdError,
     HandshakeError,
     LoadFailureReason,
     PeerDisconnected,
-    TransferTimeout,
-    TransportError,
     WeightsMismatchError,
 )
 from common.media import PreprocessParams
@@ -60,95 +51,19 @@ from common.metrics import PrefillMetrics
 from common.transport import ConsumerTransport
 from common.wire import pb2
 from prefill_client.consumer.connection import EncoderConnection, MediaSpec
+from prefill_client.consumer.pool import DEFAULT_REFRESH_INTERVAL_S, EncoderDown, EncoderPool
+from prefill_client.consumer.pull import LocalCache, PulledItem, Puller, load_failure
+from prefill_client.consumer.release import KEPT, LeaseReleaser, OnBehalf
 from prefill_client.handoff import Placement
-from prefill_client.consumer.release import LeaseReleaser
-from prefill_client.consumer.pool import DEFAULT_REFRESH_INTERVAL_S, EncoderPool
-from prefill_client.consumer.verify import check_location, gather_batch, gather_rows, verify_batch, verify_item
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-# Statuses of a call whose encoder is gone: down, or left the list (its channel closed under the call).
-_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-
 _RETRYABLE = {
     LoadFailureReason.TAG_MISMATCH, LoadFailureReason.GENERATION_MISMATCH,
     LoadFailureReason.EVICTED, LoadFailureReason.TIMEOUT, LoadFailureReason.DISCONNECT,
 }
-
-
-@dataclass(frozen=True, slots=True)
-class PulledItem:
-    """A verified item: its rows and where they came from."""
-
-    mm_hash: str
-    embeddings: torch.Tensor  # [num_tokens, fat_dim], the cache dtype
-    grid_thw: tuple[int, ...]
-    encoder: str
-    source: str  # "local" (consumer cache), "hit" (encoder had it), "miss" (encoder ran)
-    weights_digest: str = ""  # of the encoder's vision weights (common.weights_digest)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.embeddings.shape[0])
-
-
-@dataclass(frozen=True, slots=True)
-class _OnBehalf:
-    """Releases leases granted to another consumer (``owner``) through ``conn``: a placed item's."""
-
-    conn: EncoderConnection
-    owner: str
-
-    def release(self, lease_ids: Sequence[int]) -> None:
-        self.conn.release(lease_ids, owner=self.owner)
-
-
-class _Kept:
-    """Releases nothing: the leases are the caller's to give back (``pull_placed(keep_leases=True)``)."""
-
-    def release(self, lease_ids: Sequence[int]) -> None:
-        return
-
-
-_KEPT = _Kept()
-
-
-class _LocalCache:
-    """Pulled items by (weights digest, mm_hash), LRU, bounded in blocks of the producer layout.
-
-    The digest is part of the key: the same mm_hash from encoders of other weights is another item.
-    """
-
-    def __init__(self, capacity_blocks: int) -> None:
-        self.capacity_blocks = capacity_blocks
-        self._items: collections.OrderedDict[tuple[str, str], tuple[PulledItem, int]] = collections.OrderedDict()
-        self._blocks = 0
-        self._lock = threading.Lock()
-
-    def get(self, digest: str | None, mm_hash: str) -> PulledItem | None:
-        """The item, if pulled from an encoder of weights ``digest`` (None: not known yet, so no item)."""
-        if digest is None:
-            return None
-        key = (digest, mm_hash)
-        with self._lock:
-            entry = self._items.get(key)
-            if entry is None:
-                return None
-            self._items.move_to_end(key)
-            return entry[0]
-
-    def put(self, item: PulledItem, blocks: int) -> None:
-        key = (item.weights_digest, item.mm_hash)
-        with self._lock:
-            if blocks > self.capacity_blocks or key in self._items:
-                return
-            self._items[key] = (item, blocks)
-            self._blocks += blocks
-            while self._blocks > self.capacity_blocks:
-                _, (_, old) = self._items.popitem(last=False)
-                self._blocks -= old
 
 
 class EncoderCacheClient:
@@ -200,9 +115,10 @@ class EncoderCacheClient:
                                  self.metrics, refresh_interval_s=membership_refresh_s)
         if weights_digest is None:
             logger.info("no expected vision weights digest: encoders of any weights are accepted")
-        self._local = _LocalCache(local_cache_blocks)
+        self._local = LocalCache(local_cache_blocks)
         self._where: dict[str, str] = {}  # mm_hash -> encoder target it was found on
         self._releaser = LeaseReleaser()
+        self._puller = Puller(self.transport, self.metrics, pull_timeout_s, self._local, self._releaser, self._where)
 
     @classmethod
     def from_config(cls, cfg: PrefillConfig, metrics: PrefillMetrics | None = None, *,
@@ -244,32 +160,13 @@ class EncoderCacheClient:
             if local is not None:
                 out[i] = dataclasses.replace(local, source="local")
             else:
-                target = self._where.get(h)
-                if target is None or self._pool.conn(target) is None:  # unknown, or its encoder left
-                    target = self._route(functools.partial(str, h))
-                by_target[target].setdefault(h, []).append(i)
+                by_target[self._target_of(h)].setdefault(h, []).append(i)
         for target, wanted in by_target.items():
-            conn = self._pool.conn(target)
-            if conn is None:
-                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=next(iter(wanted)),
-                                 detail=f"encoder {target} left the encoder list")
-            try:
-                locations = conn.lookup(list(wanted))
-            except WeightsMismatchError as exc:
-                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=next(iter(wanted)),
-                                 detail=str(exc)) from exc
-            except grpc.RpcError as exc:
-                if exc.code() not in _GONE + (grpc.StatusCode.DEADLINE_EXCEEDED,):
-                    raise
-                # As for encode: an encoder that does not answer is a loud ECLoadFailure, not a raw status.
-                raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=next(iter(wanted)),
-                                 detail=f"encoder {target} unreachable: {exc.code().name}") from exc
+            conn, locations = self._lookup_on(target, list(wanted))
             found = [loc for loc in locations if loc is not None]
             if require and len(found) < len(wanted):
                 conn.release([loc.lease_id for loc in found])
-                gone = next(h for h, loc in zip(wanted, locations) if loc is None)
-                raise self._fail(LoadFailureReason.EVICTED, [], detail=f"{gone} is no longer on encoder {target}",
-                                 mm_hash=gone)
+                raise self._evicted(target, list(wanted), locations)
             for item in self._pull(conn, found):
                 for i in wanted[item.mm_hash]:
                     out[i] = item
@@ -290,40 +187,52 @@ class EncoderCacheClient:
         and the leases already granted are given back."""
         by_target: dict[str, list[int]] = collections.defaultdict(list)
         for i, h in enumerate(mm_hashes):
-            target = self._where.get(h)
-            if target is None or self._pool.conn(target) is None:
-                target = self._route(functools.partial(str, h))
-            by_target[target].append(i)
+            by_target[self._target_of(h)].append(i)
         out: list[Placement | None] = [None] * len(mm_hashes)
         try:
             for target, indices in by_target.items():
-                conn = self._pool.conn(target)
                 wanted = [mm_hashes[i] for i in indices]
-                if conn is None:
-                    raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=wanted[0],
-                                     detail=f"encoder {target} left the encoder list")
-                try:
-                    locations = conn.lookup(wanted)
-                except WeightsMismatchError as exc:
-                    raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=wanted[0], detail=str(exc)) from exc
-                except grpc.RpcError as exc:
-                    if exc.code() not in _GONE + (grpc.StatusCode.DEADLINE_EXCEEDED,):
-                        raise
-                    raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=wanted[0],
-                                     detail=f"encoder {target} unreachable: {exc.code().name}") from exc
+                conn, locations = self._lookup_on(target, wanted)
                 for i, loc in zip(indices, locations):
                     if loc is not None:
                         out[i] = Placement(loc.mm_hash, target, conn.incarnation_id, loc, conn.weights_digest,
                                            self.consumer_id)
-                gone = [h for h, loc in zip(wanted, locations) if loc is None]
-                if gone:
-                    raise self._fail(LoadFailureReason.EVICTED, [], mm_hash=gone[0],
-                                     detail=f"{gone[0]} is no longer on encoder {target}")
+                if None in locations:
+                    raise self._evicted(target, wanted, locations)
                 self._where.update((h, target) for h in wanted)
         except BaseException:
             self.release_placed([p for p in out if p is not None])
             raise
         return [p for p in out if p is not None]
+
+    def _target_of(self, mm_hash: str) -> str:
+        """The encoder an item known by mm_hash is asked for: where it was last found, else its
+        first ready encoder in rendezvous order (unknown, or its encoder left)."""
+        target = self._where.get(mm_hash)
+        if target is None or self._pool.conn(target) is None:
+            target = self._route(functools.partial(str, mm_hash))
+        return target
+
+    def _lookup_on(self, target: str, wanted: Sequence[str]) -> tuple[EncoderConnection, list[pb2.ItemLocation | None]]:
+        """One Lookup of ``wanted`` on ``target``. As for encode, an encoder that left, serves other
+        weights or does not answer is a loud ``ECLoadFailure(handshake)``, not a raw status."""
+        conn = self._pool.conn(target)
+        if conn is None:
+            raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=wanted[0],
+                             detail=f"encoder {target} left the encoder list")
+        try:
+            return conn, conn.lookup(wanted)
+        except WeightsMismatchError as exc:
+            raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=wanted[0], detail=str(exc)) from exc
+        except (EncoderUnreachable, EncoderCallTimeout) as exc:
+            raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=wanted[0],
+                             detail=f"encoder {target} unreachable: {exc.code.name}") from exc
+
+    def _evicted(self, target: str, wanted: Sequence[str], locations: Sequence[pb2.ItemLocation | None]
+                 ) -> ECLoadFailure:
+        """The failure of a Lookup that did not find every item it was sure of (the first one missing)."""
+        gone = next(h for h, loc in zip(wanted, locations) if loc is None)
+        return self._fail(LoadFailureReason.EVICTED, [], mm_hash=gone, detail=f"{gone} is no longer on encoder {target}")
 
     def pull_placed(self, placements: Sequence[Placement], *, keep_leases: bool = False) -> list[PulledItem]:
         """Pull placed items, verified, in order; one block READ and one tag READ per encoder.
@@ -358,9 +267,9 @@ class EncoderCacheClient:
                 continue
             try:
                 conn.peer()
-            except grpc.RpcError as exc:
+            except EncoderCallError as exc:
                 raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=placements[indices[0]].mm_hash,
-                                 detail=f"encoder {target} unreachable: {exc.code().name}") from exc
+                                 detail=f"encoder {target} unreachable: {exc.code.name}") from exc
             except (HandshakeError, PeerDisconnected) as exc:
                 raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=placements[indices[0]].mm_hash,
                                  detail=str(exc)) from exc
@@ -396,16 +305,16 @@ class EncoderCacheClient:
         if conn is not None and handshake and not conn.incarnation_id:
             try:
                 conn.peer()
-            except (grpc.RpcError, EpdError) as exc:
+            except EpdError as exc:
                 logger.warning("lease %d on %s not given back (%s): it ends at its ttl",
                                p.location.lease_id, p.encoder, exc)
                 return
         if conn is not None and conn.incarnation_id == p.incarnation_id:
             self._releaser.add(self._releasing(conn, p.owner or None), [p.location.lease_id])
 
-    def _releasing(self, conn: EncoderConnection, owner: str | None) -> EncoderConnection | _OnBehalf:
+    def _releasing(self, conn: EncoderConnection, owner: str | None) -> EncoderConnection | OnBehalf:
         """Who gives leases back: ``conn`` for our own, on behalf of ``owner`` for handed-on ones."""
-        return conn if owner is None or owner == self.consumer_id else _OnBehalf(conn, owner)
+        return conn if owner is None or owner == self.consumer_id else OnBehalf(conn, owner)
 
     def media_params(self) -> tuple[PreprocessParams, str]:
         """Preprocessing parameters and fingerprint every encoder must share (layer-1 token counts)."""
@@ -414,8 +323,8 @@ class EncoderCacheClient:
             target = conn.target
             try:
                 params = conn.media_params
-            except grpc.RpcError as exc:
-                logger.warning("encoder %s unreachable for its media parameters: %s", target, exc.code())
+            except EncoderCallError as exc:
+                logger.warning("encoder %s unreachable for its media parameters: %s", target, exc.code)
                 continue
             except WeightsMismatchError as exc:
                 logger.warning("%s; not asked for its media parameters", exc)
@@ -481,61 +390,27 @@ class EncoderCacheClient:
         for i, item in enumerate(items):
             by_target[self._route(item.key)].append(i)
         for target, indices in by_target.items():
-            done = self._with_failover(
+            done = self._pool.with_failover(
                 items[indices[0]].key, target, lambda conn: call(conn, [items[i] for i in indices]))
             for i, result in zip(indices, done):
                 out[i] = result
         return [r for r in out if r is not None]
-
-    def _with_failover(self, key: Callable[[], str], first: str,
-                       call: Callable[[EncoderConnection], list[_T]]) -> list[_T]:
-        """Run ``call(conn)`` on the item's encoder, moving down the rendezvous order when one is down."""
-        reasons: list[str] = []
-        for target in self._failover_order(key, first):
-            conn = self._pool.conn(target)
-            if conn is None:  # left the list meanwhile
-                reasons.append(f"{target}: left the encoder list")
-                continue
-            try:
-                return call(conn)
-            except _EncoderDown as exc:
-                logger.warning("encoder %s is down (%s); trying the next one", target, exc)
-                self._pool.report_down(target)
-                reasons.append(f"{target}: {exc}")
-        raise self._fail(LoadFailureReason.HANDSHAKE, [], mm_hash=key(),
-                         detail=f"no encoder reachable ({'; '.join(reasons) or 'none known'})")
-
-    def _failover_order(self, key: Callable[[], str], first: str) -> Iterator[str]:
-        """``first``, then every other known encoder in the item's order; the rest (and the key) are
-        computed only when the first choice is down. Encoders that joined while the call ran are
-        tried too: the order is taken again until it names none that was not tried."""
-        tried = {first}
-        yield first
-        while True:
-            fresh = [t for t in self._pool.order(key) if t not in tried]
-            if not fresh:
-                return
-            for target in fresh:
-                tried.add(target)
-                yield target
 
     # --- encode + pull ----------------------------------------------------------------------
 
     @contextlib.contextmanager
     def _calling(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> Iterator[None]:
         """What an Encode call's failures mean: overloaded (a timeout, no fail-over), or the
-        encoder unusable here (``_EncoderDown``: the next one in rendezvous order)."""
+        encoder unusable here (``EncoderDown``: the next one in rendezvous order)."""
         try:
             yield
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # overloaded, not down: no fail-over
-                raise self._fail(LoadFailureReason.TIMEOUT, [], f"Encode on {conn.target}: {exc.details()}",
-                                 mm_hash=items[0].key()) from exc
-            if exc.code() in _GONE:
-                raise _EncoderDown(str(exc.details())) from exc
-            raise
+        except EncoderCallTimeout as exc:  # overloaded, not down: no fail-over
+            raise self._fail(LoadFailureReason.TIMEOUT, [], f"Encode on {conn.target}: {exc.details}",
+                             mm_hash=items[0].key()) from exc
+        except EncoderUnreachable as exc:
+            raise EncoderDown(exc.details) from exc
         except (PeerDisconnected, WeightsMismatchError) as exc:
-            raise _EncoderDown(str(exc)) from exc
+            raise EncoderDown(str(exc)) from exc
 
     def _encode_on(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> list[PulledItem]:
         attempts = 2 if self.failure_policy is FailurePolicy.RETRY else 1
@@ -572,152 +447,13 @@ class EncoderCacheClient:
 
     def _pull(self, conn: EncoderConnection, locations: Sequence[pb2.ItemLocation],
               owner: str | None = None, keep_leases: bool = False) -> list[PulledItem]:
-        """Pull, then verify, every location; local-cache hits need no transfer. ``owner``: the
-        consumer the leases were granted to, when not this one (placed items); ``keep_leases``:
-        the caller gives them back."""
-        results: list[PulledItem | None] = [None] * len(locations)
-        todo: list[int] = []
-        for i, loc in enumerate(locations):
-            local = self._local.get(conn.weights_digest, loc.mm_hash)
-            if local is not None:
-                results[i] = dataclasses.replace(local, source="local")
-            else:
-                todo.append(i)
-        releasing: EncoderConnection | _OnBehalf | _Kept = _KEPT if keep_leases else self._releasing(conn, owner)
-        self._releaser.add(releasing, [loc.lease_id for loc, r in zip(locations, results) if r is not None])
-        if todo:
-            for i, item in zip(todo, self._pull_verified(conn, [locations[i] for i in todo], releasing)):
-                results[i] = item
-        return [r for r in results if r is not None]
-
-    def _pull_verified(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation],
-                       releasing: EncoderConnection | _OnBehalf | _Kept) -> list[PulledItem]:
-        """Pull ``locs`` in as few transfers as the landing pool allows; every lease ends on every path."""
-        landing = self.transport.landing
-        room = landing.num_blocks - landing.num_quarantined
-        chunks: list[list[pb2.ItemLocation]] = [[]]
-        blocks = 0
-        for loc in locs:  # consecutive items while they fit the pool; an item too large goes alone
-            if chunks[-1] and blocks + len(loc.block_ids) > room:
-                chunks.append([])
-                blocks = 0
-            chunks[-1].append(loc)
-            blocks += len(loc.block_ids)
-        out: list[PulledItem] = []
-        for n, chunk in enumerate(chunks):
-            try:
-                out += self._pull_chunk(conn, chunk, releasing)
-            except BaseException:
-                # Chunks never tried still hold leases nobody will release after a tag READ.
-                releasing.release([loc.lease_id for later in chunks[n + 1:] for loc in later])
-                raise
-        return out
-
-    def _pull_chunk(self, conn: EncoderConnection, locs: Sequence[pb2.ItemLocation],
-                    releasing: EncoderConnection | _OnBehalf | _Kept) -> list[PulledItem]:
-        """One block READ, then one tag READ, then the checks of every item; then the leases go back.
-
-        Items that verify are kept (local cache) even when another item of the
-        chunk fails; the call then raises that item's ``ECLoadFailure``. Leases
-        are released by the batching releaser once the tag READ is done, and
-        at once by RPC when anything fails before it; not when the encoder's
-        agent is gone: a dead encoder's leases died with it, and calling it
-        would only start gRPC's reconnect back-off, which could refuse the
-        first call to its restarted successor.
-        """
-        layout = conn.layout
-        landing = self.transport.landing
-        lease_ids = [loc.lease_id for loc in locs]
-        leases_pinned = True
-        local_ids: np.ndarray | None = None
-        started = time.perf_counter()
-        try:
-            for loc in locs:
-                self._check_location(loc, layout.block_size)
-            remote = np.fromiter((b for loc in locs for b in loc.block_ids), dtype=np.int32)
-            if len(remote) > landing.num_blocks - landing.num_quarantined:
-                raise TransportError(
-                    f"item {locs[0].mm_hash} needs {len(remote)} landing blocks; the pool has "
-                    f"{landing.num_blocks} ({landing.num_quarantined} quarantined): raise --landing-blocks")
-            try:
-                local_ids = self._acquire_landing(len(remote))
-            except TransferTimeout as exc:
-                raise self._fail(LoadFailureReason.TIMEOUT, locs, str(exc)) from exc
-            local = np.asarray(local_ids, dtype=np.int32)
-            peer = conn.peer()
-            try:
-                # The rows, then, only once they are in, the tags and generations that prove them.
-                tags, gens = peer.read_blocks_and_tags(remote, local, self.pull_timeout_s)
-            except TransferTimeout as exc:
-                raise self._fail(LoadFailureReason.TIMEOUT, locs, str(exc)) from exc
-            except (PeerDisconnected, TransportError) as exc:
-                # Any other failed READ leaves the peer in doubt: drop it, handshake next time.
-                conn.reset()
-                leases_pinned = False  # or expire at their ttl, if the encoder lives on
-                raise self._fail(LoadFailureReason.DISCONNECT, locs, str(exc)) from exc
-            self._releaser.add(releasing, lease_ids)
-            leases_pinned = False
-            verdicts = verify_batch(locs, tags, gens)
-            rows = gather_batch(landing.tensor, local, locs)
-        except BaseException:
-            if leases_pinned:
-                releasing.release(lease_ids)
-            raise
-        finally:
-            # Blocks of a timed-out READ were quarantined by the transport; releasing a
-            # quarantined id is a no-op, so this is right on every path.
-            if local_ids is not None:
-                landing.release(local_ids)
-        self.metrics.pull_latency.observe(time.perf_counter() - started)
-        self.metrics.pulls.inc(len(locs))
-        self.metrics.pull_bytes.inc(len(remote) * layout.bytes_per_block)
-        out: list[PulledItem] = []
-        failure: ECLoadFailure | None = None
-        for loc, verdict, embeddings in zip(locs, verdicts, rows):
-            if verdict is not None:
-                self.metrics.load_failures.labels(reason=verdict.reason.value).inc()
-                failure = failure or verdict
-                continue
-            item = PulledItem(loc.mm_hash, embeddings, tuple(loc.grid_thw), conn.target,
-                              "hit" if loc.result == pb2.CACHE_RESULT_HIT else "miss", conn.weights_digest)
-            self._local.put(item, len(loc.block_ids))
-            self._where[loc.mm_hash] = conn.target
-            out.append(item)
-        if failure is not None:
-            raise failure
-        return out
-
-    def _acquire_landing(self, n: int) -> np.ndarray:
-        """Landing blocks for one pull; concurrent pulls may hold them all for a moment."""
-        landing = self.transport.landing
-        give_up = time.monotonic() + self.pull_timeout_s
-        while True:
-            ids = landing.acquire(n)
-            if ids is not None:
-                return ids
-            if time.monotonic() > give_up:
-                raise TransferTimeout(
-                    f"no {n} free landing blocks within {self.pull_timeout_s} s "
-                    f"({landing.num_held} held by other pulls, {landing.num_quarantined} quarantined)")
-            time.sleep(0.001)
-
-    def _check_location(self, loc: pb2.ItemLocation, block_size: int) -> None:
-        try:
-            check_location(loc, block_size)
-        except ECLoadFailure as exc:
-            self.metrics.load_failures.labels(reason=exc.reason.value).inc()
-            raise
+        """Pull and verify (:class:`Puller`). ``owner``: the consumer the leases were granted to, when
+        not this one (placed items); ``keep_leases``: the caller gives them back."""
+        return self._puller.pull(conn, locations, KEPT if keep_leases else self._releasing(conn, owner))
 
     def _fail(self, reason: LoadFailureReason, locs: Sequence[pb2.ItemLocation], detail: str = "",
-              *, mm_hash: str = "", block: int | None = None, expected: object = None,
-              got: object = None) -> ECLoadFailure:
-        self.metrics.load_failures.labels(reason=reason.value).inc()
-        name = mm_hash or (locs[0].mm_hash if locs else "?")
-        return ECLoadFailure(reason, name, block=block, expected=expected, got=got, detail=detail)
-
-
-class _EncoderDown(EpdError):
-    """An encoder did not answer, or serves other weights; the item moves to the next encoder in rendezvous order."""
+              *, mm_hash: str = "") -> ECLoadFailure:
+        return load_failure(self.metrics, reason, locs, detail, mm_hash=mm_hash)
 
 
 class AsyncEncoderCacheClient:
@@ -736,7 +472,4 @@ class AsyncEncoderCacheClient:
         await asyncio.to_thread(self.client.close)
 
 
-__all__ = [
-    "AsyncEncoderCacheClient", "EncoderCacheClient", "HandshakeError", "Placement", "PulledItem", "check_location",
-    "gather_batch", "gather_rows", "verify_batch", "verify_item",
-]
+__all__ = ["AsyncEncoderCacheClient", "EncoderCacheClient", "PulledItem"]

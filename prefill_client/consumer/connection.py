@@ -1,4 +1,4 @@
-"""One prefill worker's connection to one encoder: channel, handshake, RPCs (prefill process).
+"""One consumer's connection to one encoder: channel, handshake, RPCs (any process that pulls or places).
 
 A connection handshakes lazily, once per producer incarnation: the answer
 names the incarnation, and a response carrying another one (the encoder
@@ -26,6 +26,9 @@ from common.errors import (
     AuthError,
     CacheFullError,
     ECLoadFailure,
+    EncoderCallError,
+    EncoderCallTimeout,
+    EncoderUnreachable,
     EpdError,
     HandshakeError,
     InvalidMediaError,
@@ -153,8 +156,17 @@ def params_from_proto(p: pb2.PreprocessParams) -> media.PreprocessParams:
         p.video_min_pixels or None, p.video_max_pixels or None, p.video_sample_fps or None)
 
 
-def status_error(exc: grpc.RpcError) -> EpdError | None:
-    """Our typed error for a status the caller must act on, or None (infrastructure)."""
+def announces_params(p: pb2.PreprocessParams) -> bool:
+    """Whether an encoder preprocesses by parameters it announces (epd-cache's own tower), not with
+    the model's own processor (the vLLM tower announces none: every field 0). Some fields set and
+    others not is an incomplete announcement, refused by :func:`params_from_proto`."""
+    return any((p.patch_size, p.merge_size, p.temporal_patch_size, p.max_pixels))
+
+
+def status_error(exc: grpc.RpcError) -> EpdError:
+    """Our typed error for a failed RPC: what the caller must act on (cache full, bad request,
+    refused credentials or handshake), else :class:`EncoderCallError` by status (unreachable,
+    timed out, or any other status, named)."""
     code, details = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         hint = _RETRY_HINT.search(details)
@@ -167,7 +179,11 @@ def status_error(exc: grpc.RpcError) -> EpdError | None:
         return AuthError(details)
     if code == grpc.StatusCode.FAILED_PRECONDITION and "incarnation" not in details:
         return HandshakeError(details)
-    return None
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return EncoderUnreachable(code, details)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return EncoderCallTimeout(code, details)
+    return EncoderCallError(code, details)
 
 
 class EncoderConnection:
@@ -255,6 +271,12 @@ class EncoderConnection:
                 f"with EpdCacheConnector)")
         return params, fingerprint
 
+    @property
+    def processor_is_ours(self) -> bool:
+        """The encoder preprocesses by the parameters it announced (epd-cache's own tower), not with
+        the model's own processor. From the last handshake, none made here (False before the first)."""
+        return self._media is not None and self._media[0] is not None
+
     def peer(self) -> ProducerPeer:
         """The NIXL peer of the current incarnation, handshaking first if needed."""
         with self._lock:
@@ -270,10 +292,7 @@ class EncoderConnection:
             resp = self._stub.Handshake(request, timeout=self.rpc_timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             self.metrics.handshakes.labels(result=exc.code().name.lower()).inc()
-            err = status_error(exc)
-            if err is not None:
-                raise err from exc
-            raise
+            raise status_error(exc) from exc
         layout = layout_from_proto(resp.layout)
         local_hash = layout.compatibility_hash(self.model_id, PROTOCOL_VERSION)
         if resp.compatibility_hash != local_hash or resp.model_id != self.model_id:
@@ -290,9 +309,8 @@ class EncoderConnection:
         self.weights_digest = resp.weights_digest
         self.encoder_id = resp.encoder_id
         self._layout = layout
-        self.tower = resp.tower or "qwen3vl"
-        # The vLLM tower's preprocessing is the model's processor: no parameters to announce.
-        params = None if resp.tower == "vllm" else params_from_proto(resp.preprocess)
+        self.tower = resp.tower  # its name, for messages; what it does is in what it announces
+        params = params_from_proto(resp.preprocess) if announces_params(resp.preprocess) else None
         self._media = (params, resp.preprocess.fingerprint)
         self.incarnation_id = resp.incarnation_id
         self.metrics.handshakes.labels(result="ok").inc()
@@ -329,10 +347,7 @@ class EncoderConnection:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "incarnation" in (exc.details() or ""):
                     self.reset()
                     continue
-                err = status_error(exc)
-                if err is not None:
-                    raise err from exc
-                raise
+                raise status_error(exc) from exc
             if resp.incarnation_id != self.incarnation_id:
                 self.abandon([call_id])  # leases of another incarnation than we will pull from
                 self.reset()

@@ -1,4 +1,4 @@
-"""The encoders a prefill worker routes to, kept current while it runs (prefill process).
+"""The encoders a consumer routes to, kept current while it runs (any process that pulls or places).
 
 :class:`EncoderPool` owns one :class:`EncoderConnection` per encoder and
 answers "which encoders, in which order, for this item". It follows the
@@ -30,18 +30,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from common.errors import ConfigError, EpdError, WeightsMismatchError
+from common.errors import ConfigError, EpdError, LoadFailureReason, WeightsMismatchError
 from common.metrics import PrefillMetrics
 from prefill_client.consumer.connection import EncoderConnection
+from prefill_client.consumer.pull import load_failure
 from prefill_client.consumer.routing import rendezvous_order, resolve_targets
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 DEFAULT_REFRESH_INTERVAL_S = 2.0
 HEALTH_TIMEOUT_S = 0.5
@@ -51,6 +55,10 @@ RETIRE_GRACE_S = 10.0
 # An encoder serving other vision weights (WeightsMismatchError) is asked again after this long:
 # it may have rolled to the expected ones.
 REFUSED_RETRY_S = 30.0
+
+
+class EncoderDown(EpdError):
+    """An encoder did not answer, or serves other weights; the item moves to the next encoder in rendezvous order."""
 
 
 @dataclass(slots=True)
@@ -131,6 +139,38 @@ class EncoderPool:
             self.metrics.routed_away.inc()
         return ready + [t for t in ranked if not members[t].takes_items(now)]
 
+    def with_failover(self, key: Callable[[], str], first: str,
+                       call: Callable[[EncoderConnection], list[_T]]) -> list[_T]:
+        """Run ``call(conn)`` on the item's encoder, moving down the rendezvous order when one is down."""
+        reasons: list[str] = []
+        for target in self.failover_order(key, first):
+            conn = self.conn(target)
+            if conn is None:  # left the list meanwhile
+                reasons.append(f"{target}: left the encoder list")
+                continue
+            try:
+                return call(conn)
+            except EncoderDown as exc:
+                logger.warning("encoder %s is down (%s); trying the next one", target, exc)
+                self.report_down(target)
+                reasons.append(f"{target}: {exc}")
+        raise load_failure(self.metrics, LoadFailureReason.HANDSHAKE, [], mm_hash=key(),
+                           detail=f"no encoder reachable ({'; '.join(reasons) or 'none known'})")
+
+    def failover_order(self, key: Callable[[], str], first: str) -> Iterator[str]:
+        """``first``, then every other known encoder in the item's order; the rest (and the key) are
+        computed only when the first choice is down. Encoders that joined while the call ran are
+        tried too: the order is taken again until it names none that was not tried."""
+        tried = {first}
+        yield first
+        while True:
+            fresh = [t for t in self.order(key) if t not in tried]
+            if not fresh:
+                return
+            for target in fresh:
+                tried.add(target)
+                yield target
+
     def report_down(self, target: str) -> None:
         """A call to ``target`` failed as if it were gone: route around it and refresh now."""
         member = self._members.get(target)
@@ -204,7 +244,7 @@ class EncoderPool:
                     # Unusable for this client until it rolls: asked again only after a while.
                     member.refused_until = now + REFUSED_RETRY_S
                     logger.warning("%s; no items go there (asked again in %.0f s)", exc, REFUSED_RETRY_S)
-                except (EpdError, grpc.RpcError) as exc:
+                except EpdError as exc:
                     logger.debug("encoder %s not identified yet: %s", member.conn.target, exc)
         self._count()
 

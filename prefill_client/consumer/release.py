@@ -1,4 +1,4 @@
-"""Gives leases back in batches, off the pull path (prefill process).
+"""Who gives leases back, and how: in batches, off the pull path (any process that pulls).
 
 Once a pull is verified its leases are no longer needed, but nothing waits on
 their release either. Sending it as the NIXL notification of the tag READ made
@@ -15,7 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from prefill_client.consumer.connection import EncoderConnection
 
 logger = logging.getLogger(__name__)
 
@@ -86,3 +91,24 @@ class LeaseReleaser:
                     return
             time.sleep(self.interval_s)  # let the ids of a burst of pulls gather into one RPC
             self.flush()
+
+
+@dataclass(frozen=True, slots=True)
+class OnBehalf:
+    """Releases leases granted to another consumer (``owner``) through ``conn``: a placed item's."""
+
+    conn: EncoderConnection
+    owner: str
+
+    def release(self, lease_ids: Sequence[int]) -> None:
+        self.conn.release(lease_ids, owner=self.owner)
+
+
+class Kept:
+    """Releases nothing: the leases are the caller's to give back (``pull_placed(keep_leases=True)``)."""
+
+    def release(self, lease_ids: Sequence[int]) -> None:
+        return
+
+
+KEPT = Kept()

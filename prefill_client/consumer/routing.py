@@ -1,4 +1,4 @@
-"""Routing of items to encoder pods by rendezvous hashing (prefill process).
+"""Routing of items to encoder pods by rendezvous hashing (any process that pulls or places).
 
 An item lives on exactly one encoder: the one whose ``score(key, target)`` is
 highest. When that encoder is down the item goes to the next in the same

@@ -1,4 +1,4 @@
-"""Checks and copies of a verified pull, as pure functions over numbers and tensors (prefill process).
+"""Checks and copies of a verified pull, as pure functions over numbers and tensors (any process that pulls).
 
 :func:`verify_item` is the rule: rows READ for a location are its item only if
 every block's tag, READ *after* the rows, equals the fingerprint recomputed

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from common.config import PrefillConfig, add_arguments, build
-from common.errors import ConfigError, ECLoadFailure, EpdError
+from common.errors import ConfigError, ECLoadFailure, EncoderCallError, EpdError
 from common.malloc import keep_freed_memory
 from common.metrics import PrefillMetrics
 from prefill_client.reference.chat import ChatRequest, load_requests
@@ -197,7 +197,6 @@ def main(argv: list[str], make_worker: WorkerFactory = build_worker) -> int:
         print(f"epd prefill: {exc}", file=sys.stderr)
         return EXIT_ERROR
 
-    import grpc
     from prometheus_client import start_http_server
 
     metrics = PrefillMetrics()
@@ -232,12 +231,10 @@ def main(argv: list[str], make_worker: WorkerFactory = build_worker) -> int:
             return 0
         print(f"epd prefill: terminated during {where} after {len(results)} requests", file=sys.stderr)
         return EXIT_TERMINATED
-    except (EpdError, grpc.RpcError) as exc:
+    except EpdError as exc:
         at = f"request {len(results)}" if where == "request" else where
-        if isinstance(exc, grpc.RpcError):
-            print(f"epd prefill: {at}: encoder call failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        else:
-            print(f"epd prefill: {at}: {exc}", file=sys.stderr)
+        failed = "encoder call failed: " if isinstance(exc, EncoderCallError) else ""
+        print(f"epd prefill: {at}: {failed}{exc}", file=sys.stderr)
         return EXIT_LOAD_FAILURE if isinstance(exc, ECLoadFailure) else EXIT_ERROR
     finally:
         if old_handler is not None:

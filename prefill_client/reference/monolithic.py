@@ -1,4 +1,4 @@
-"""Monolithic mode: encoder and prefill in one process, reading the local cache (prefill side).
+"""Monolithic mode: encoder and prefill in one process, reading the local cache (one process: encoder and reference prefill worker).
 
 When the encoder runs in the same process, the prefill graph gathers rows
 straight out of the encoder's ``EncoderCacheBlocks.buffer`` with the item's

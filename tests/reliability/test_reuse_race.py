@@ -35,7 +35,7 @@ import torch
 from common.errors import ECLoadFailure, LoadFailureReason
 from common.transport import ConsumerTransport, PostInfo, sweep_stale_segments
 from common.wire import pb2
-from prefill_client.consumer.client import check_location, gather_rows, verify_item
+from prefill_client.consumer.verify import check_location, gather_rows, verify_item
 from tests.reliability.race import H_ITERATIONS, Directory, RaceSpec
 from tests.transport_params import TRANSPORTS
 

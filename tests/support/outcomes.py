@@ -1,6 +1,6 @@
 """Names for the outcomes of client calls under load (test processes).
 
-A clear, typed outcome gets a short name; anything else (a raw ``INTERNAL`` /
+A clear, typed outcome gets a short name; anything else (an ``INTERNAL`` /
 ``UNKNOWN`` status, an exception that is not one of the errors a caller is
 told to expect) is named ``untyped:...``, and the tests fail on those.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from common.errors import CacheFullError, ECLoadFailure, LimitExceededError
+from common.errors import CacheFullError, ECLoadFailure, EncoderCallError, LimitExceededError
 
 
 def classify(exc: BaseException) -> str:
@@ -19,11 +19,10 @@ def classify(exc: BaseException) -> str:
         return "limit"
     if isinstance(exc, ECLoadFailure):
         return f"ec_load_failure:{exc.reason.value}"
-    if isinstance(exc, grpc.RpcError):
-        code = exc.code()
-        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-            return f"untyped:{code.name}:{exc.details()}"
-        return f"status:{code.name}"
+    if isinstance(exc, EncoderCallError):  # a status with no typed error of its own
+        if exc.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+            return f"untyped:{exc.code.name}:{exc.details}"
+        return f"status:{exc.code.name}"
     return f"untyped:{type(exc).__name__}:{exc}"
 
 
