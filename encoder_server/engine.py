@@ -1,4 +1,4 @@
-"""Encode orchestration for the encoder process: hash, cache, coalesce, batch, write.
+"""Encode orchestration: hash, cache, coalesce, admit, then hand misses to the batcher (encoder process).
 
 The engine sits between the gRPC servicer and the three pieces that do the
 work: the block allocator (:class:`EncoderCacheBlocks`), the preprocessor and
@@ -14,7 +14,7 @@ the aliased encoder runner. Per item it follows the layer table of the design:
   after evicting every unpinned item, the request fails at once with
   :class:`CacheFullError` and a retry hint, the encoder thread never stalls;
 * misses from concurrent requests queue for one encoder thread, which takes
-  as many as fit the largest bucket into one graph run.
+  as many as fit the largest bucket into one graph run (:mod:`.batcher`).
 
 The ``mm_hash`` is computed here from the content, the preprocessing
 parameters and the model id, so a client can never name content it did not
@@ -24,12 +24,11 @@ send.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -46,7 +45,9 @@ from common.errors import (
 from common.fingerprint import cached_fingerprint
 from common.metrics import EncoderMetrics
 from common.placeholder import ItemMeta
+from encoder_server.batcher import EncodeBatcher, EncodeJob, Flight, Waiter
 from encoder_server.cache_blocks import EncoderCacheBlocks, Lease
+from encoder_server.input_cache import InputCache
 from encoder_server.vision import default_tokens_per_block
 
 logger = logging.getLogger(__name__)
@@ -144,76 +145,29 @@ def _located(mm_hash: str, lease: Lease, meta: ItemMeta, *, hit: bool) -> Locate
     )
 
 
-@dataclass(slots=True)
-class _Waiter:
-    """A request waiting for an item's encoder run; gets its lease the moment the item is written."""
+@dataclass(frozen=True, slots=True)
+class _Pinned:
+    """An item a request holds: its pending lease, and the metadata of the answer."""
 
-    consumer_id: str
-    flight: _Flight
-    lease: Lease | None = None
-    cancelled: bool = False
-
-
-@dataclass(slots=True)
-class _Flight:
-    """One scheduled encoder run of one item, and every request waiting for it."""
-
-    future: asyncio.Future[None]
+    lease: Lease
     meta: ItemMeta
-    waiters: list[_Waiter] = field(default_factory=list)
-    owner: _Waiter | None = None  # the request whose miss scheduled the run
-
-    def join(self, consumer_id: str, owner: bool = False) -> _Waiter:
-        waiter = _Waiter(consumer_id, self)
-        self.waiters.append(waiter)
-        if owner:
-            self.owner = waiter
-        return waiter
 
 
-@dataclass(slots=True)
-class _Job:
-    mm_hash: str
-    item: ProcessedItem
-    block_ids: list[int]
-    tokens_per_block: list[int]
-    flight: _Flight
+@dataclass(frozen=True, slots=True)
+class _Preprocessed:
+    """The misses' items ready for the tower, and the misses whose media were refused."""
+
+    items: dict[str, ProcessedItem]
+    errors: dict[str, EpdError]
 
 
-class _InputCache:
-    """Layer 1: preprocessed pixels by content hash, LRU, bounded in bytes."""
+@dataclass(frozen=True, slots=True)
+class _Admitted:
+    """What admission gave a request: runs to schedule, and the misses it now waits for or holds."""
 
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
-        self._items: collections.OrderedDict[str, ProcessedItem] = collections.OrderedDict()
-        self._bytes = 0
-
-    @staticmethod
-    def _size(item: ProcessedItem) -> int:
-        return item.nbytes
-
-    def get(self, key: str) -> ProcessedItem | None:
-        item = self._items.get(key)
-        if item is not None:
-            self._items.move_to_end(key)
-        return item
-
-    def put(self, key: str, item: ProcessedItem) -> None:
-        size = self._size(item)
-        if size > self.capacity_bytes or key in self._items:
-            return
-        self._items[key] = item
-        self._bytes += size
-        while self._bytes > self.capacity_bytes:
-            _, old = self._items.popitem(last=False)
-            self._bytes -= self._size(old)
-
-
-@dataclass
-class EngineStats:
-    encoder_runs: int = 0
-    items_encoded: int = 0
-    batch_sizes: list[int] = field(default_factory=list)
+    jobs: list[EncodeJob]
+    waiters: dict[str, Waiter]
+    pinned: dict[str, _Pinned]
 
 
 class EncoderEngine:
@@ -235,47 +189,34 @@ class EncoderEngine:
         self.cache = cache
         self.preprocessor = preprocessor
         self.runner = runner
-        # Misses of concurrent requests share a run up to this many tokens (the runner's largest
-        # bucket at most); the first job of a run is always taken, so a larger item runs alone.
-        self.batch_tokens = min(batch_tokens or runner.max_batch_tokens, runner.max_batch_tokens)
         self.metrics = metrics
         self.model_id = model_id
         self.preprocess_fingerprint = preprocess_fingerprint
-        self._inputs = _InputCache(input_cache_bytes)
+        self._inputs = InputCache(input_cache_bytes)
         self._preprocess_pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="epd-preprocess")
-        # One thread owns the encoder graph: runs are serialized, batches form while it is busy.
-        self._encoder_pool = ThreadPoolExecutor(1, thread_name_prefix="epd-encoder")
-        self._inflight: dict[str, _Flight] = {}
+        # Misses of concurrent requests share a run up to this many tokens (the runner's largest
+        # bucket at most); the first job of a run is always taken, so a larger item runs alone.
+        self._batcher = EncodeBatcher(
+            cache=cache, runner=runner, metrics=metrics,
+            batch_tokens=min(batch_tokens or runner.max_batch_tokens, runner.max_batch_tokens),
+            after_run=self.update_gauges)
+        self.stats = self._batcher.stats
         # The metadata of each cached item, for the response; pruned in housekeeping().
         self._metas: dict[str, ItemMeta] = {}
-        self._pending: collections.deque[_Job] = collections.deque()  # misses waiting for a run
-        self._queued_tokens = 0  # merged tokens of the misses waiting or running (epd_encoder_queue_tokens)
-        self._wake: asyncio.Event | None = None
-        self._batcher: asyncio.Task[None] | None = None
         self._admit_lock: asyncio.Lock | None = None
-        self.stats = EngineStats()
         self._expired_counted = 0  # cache lease expiries already added to the metric
 
     # --- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._wake = asyncio.Event()
         self._admit_lock = asyncio.Lock()
-        self._batcher = asyncio.create_task(self._batch_loop(), name="epd-batcher")
+        self._batcher.start()
         self.update_gauges()
 
     async def stop(self) -> None:
-        if self._batcher is not None:
-            self._batcher.cancel()
-            try:
-                await self._batcher
-            except asyncio.CancelledError:
-                pass
-        for flight in self._inflight.values():
-            if not flight.future.done():
-                flight.future.set_exception(EpdError("encoder shutting down"))
+        await self._batcher.cancel()
         self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
-        self._encoder_pool.shutdown(wait=True)
+        self._batcher.shutdown()
 
     # --- hashing -----------------------------------------------------------------------
 
@@ -308,31 +249,37 @@ class EncoderEngine:
             self._preprocess_pool, lambda: [item.content_hash() for item in items])
         hashes = [self.mm_hash(c) for c in content]
 
-        leases: dict[str, Lease] = {}
-        metas: dict[str, ItemMeta] = {}
-        waiters: dict[str, _Waiter] = {}
+        pinned: dict[str, _Pinned] = {}
+        waiters: dict[str, Waiter] = {}
         errors: dict[str, EpdError] = {}
         misses: dict[str, int] = {}  # mm_hash -> index of the first item carrying it
         try:
             for i, h in enumerate(hashes):
                 self.metrics.device_queries.inc()  # every item is a layer-3 query
-                if h in leases or h in waiters or h in misses:
+                if h in pinned or h in waiters or h in misses:
                     continue
-                flight = self._inflight.get(h)
+                flight = self._batcher.flight(h)
                 if flight is not None:  # coalesce with the run already scheduled for it
                     waiters[h] = flight.join(consumer_id)
                     continue
                 # Pin a hit before anything below may evict to make room for misses.
-                if not self._pin_hit(h, consumer_id, leases, metas):
+                hit = self._pin_hit(h, consumer_id)
+                if hit is not None:
+                    pinned[h] = hit
+                else:
                     misses[h] = i
 
-            processed = await self._preprocess(items, content, misses, hashes, errors)
-            self._refuse_oversized(processed, errors)
-            if processed:
+            preprocessed = await self._preprocess(items, content, misses)
+            errors.update(preprocessed.errors)
+            admissible, oversized = self._split_oversized(preprocessed.items)
+            errors.update(oversized)
+            if admissible:
                 async with self._admit_lock:
-                    jobs = self._admit(processed, consumer_id, waiters, leases, metas)
-                self.metrics.device_misses.inc(len(jobs))
-                self._enqueue(jobs)
+                    admitted = self._admit(admissible, consumer_id)
+                    pinned.update(admitted.pinned)
+                    waiters.update(admitted.waiters)
+                    self._batcher.schedule(admitted.jobs)
+                self.metrics.device_misses.inc(len(admitted.jobs))
             for h, waiter in waiters.items():
                 try:
                     await asyncio.wait_for(
@@ -343,14 +290,13 @@ class EncoderEngine:
                 if waiter.lease is None:
                     errors[h] = ItemLostError(f"mm_hash {h} was evicted before it could be leased; retry")
                 else:
-                    leases[h] = waiter.lease
-                    metas[h] = waiter.flight.meta
+                    pinned[h] = _Pinned(waiter.lease, waiter.flight.meta)
         except BaseException:
-            self._abandon(leases, waiters)
+            self._abandon([p.lease for p in pinned.values()], waiters.values())
             raise
 
         fresh = {h for h, w in waiters.items() if w.flight.owner is w}
-        located = {h: self._hand_out(h, lease, metas[h], hit=h not in fresh) for h, lease in leases.items()}
+        located = {h: self._hand_out(h, p.lease, p.meta, hit=h not in fresh) for h, p in pinned.items()}
         located.update((h, Failed(h, err)) for h, err in errors.items())
         out = [located[h] for h in hashes]
         self.update_gauges()
@@ -363,23 +309,31 @@ class EncoderEngine:
             return Failed(mm_hash, ItemLostError(f"mm_hash {mm_hash}: its lease ended while the request ran; retry"))
         return _located(mm_hash, started, meta, hit=hit)
 
-    def _refuse_oversized(self, processed: dict[str, ProcessedItem], errors: dict[str, EpdError]) -> None:
-        """An item larger than the whole cache can never be admitted: a per-item error, not a stall."""
+    def _split_oversized(
+        self, processed: dict[str, ProcessedItem]
+    ) -> tuple[dict[str, ProcessedItem], dict[str, EpdError]]:
+        """``(admissible, refused)``: an item larger than the whole cache can never be admitted, so it
+        is a per-item error, not a stall."""
         layout = self.cache.layout
-        for h in [h for h, item in processed.items() if layout.blocks_for_tokens(item.num_tokens)
-                  > layout.num_usable_blocks]:
-            item = processed.pop(h)
-            errors[h] = LimitExceededError(
-                f"item of {item.num_tokens} tokens needs {layout.blocks_for_tokens(item.num_tokens)} blocks "
-                f"of {layout.block_size}; this encoder's cache has {layout.num_usable_blocks}")
+        admissible: dict[str, ProcessedItem] = {}
+        refused: dict[str, EpdError] = {}
+        for h, item in processed.items():
+            needed = layout.blocks_for_tokens(item.num_tokens)
+            if needed > layout.num_usable_blocks:
+                refused[h] = LimitExceededError(
+                    f"item of {item.num_tokens} tokens needs {needed} blocks "
+                    f"of {layout.block_size}; this encoder's cache has {layout.num_usable_blocks}")
+            else:
+                admissible[h] = item
+        return admissible, refused
 
-    def _abandon(self, leases: dict[str, Lease], waiters: dict[str, _Waiter]) -> None:
+    def _abandon(self, leases: Iterable[Lease], waiters: Iterable[Waiter]) -> None:
         """Give back what a failed request holds: its leases, and its place in pending runs."""
-        for waiter in waiters.values():
+        for waiter in waiters:
             waiter.cancelled = True
             if waiter.lease is not None:
                 self.cache.release(waiter.lease.lease_id)
-        for lease in leases.values():
+        for lease in leases:
             self.cache.release(lease.lease_id)
 
     def lookup(self, mm_hashes: Sequence[str], consumer_id: str) -> list[Located | Failed]:
@@ -419,16 +373,12 @@ class EncoderEngine:
     # --- internals -----------------------------------------------------------------------
 
     async def _preprocess(
-        self,
-        items: Sequence[MediaInput],
-        content: Sequence[str],
-        misses: dict[str, int],
-        hashes: Sequence[str],
-        errors: dict[str, EpdError],
-    ) -> dict[str, ProcessedItem]:
+        self, items: Sequence[MediaInput], content: Sequence[str], misses: dict[str, int]
+    ) -> _Preprocessed:
         """Pixels for every miss, through the layer-1 cache; bad media become per-item errors."""
         loop = asyncio.get_running_loop()
         processed: dict[str, ProcessedItem] = {}
+        errors: dict[str, EpdError] = {}
         pending: dict[str, asyncio.Future[ProcessedItem]] = {}
         for h, i in misses.items():
             self.metrics.mm_cache_queries.inc()
@@ -447,7 +397,7 @@ class EncoderEngine:
                 continue
             self._inputs.put(content[i], item)
             processed[h] = item
-        return processed
+        return _Preprocessed(processed, errors)
 
     def _decode(self, source: MediaInput, index: int) -> ProcessedItem:
         label = f"item {index}" + (f" ({source.label})" if source.label else "")
@@ -456,26 +406,39 @@ class EncoderEngine:
             return self.preprocessor.image(frames[0], item=label)
         return self.preprocessor.video(frames, fps=source.fps, item=label)
 
-    def _admit(
-        self, processed: dict[str, ProcessedItem], consumer_id: str, waiters: dict[str, _Waiter],
-        leases: dict[str, Lease], metas: dict[str, ItemMeta],
-    ) -> list[_Job]:
+    def _admit(self, processed: dict[str, ProcessedItem], consumer_id: str) -> _Admitted:
         """Allocate blocks for every miss, all or nothing; runs under the admission lock.
 
         A miss may have changed while its pixels were decoded: another request
         admitted it (join that run) or even finished it (a hit now: lease it,
-        pending, into ``leases``). Only an item absent from the cache gets blocks.
+        pending). Only an item absent from the cache gets blocks. On a failure
+        nothing is left taken: what was joined or leased here is given back.
         """
-        layout = self.cache.layout
+        waiters: dict[str, Waiter] = {}
+        pinned: dict[str, _Pinned] = {}
         todo: dict[str, ProcessedItem] = {}
         for h, item in processed.items():
-            flight = self._inflight.get(h)
+            flight = self._batcher.flight(h)
             if flight is not None:  # another request admitted it while we decoded
                 waiters[h] = flight.join(consumer_id)
-            elif not self._pin_hit(h, consumer_id, leases, metas):  # ... or even finished it
+                continue
+            hit = self._pin_hit(h, consumer_id)  # ... or even finished it
+            if hit is not None:
+                pinned[h] = hit
+            else:
                 todo[h] = item
-        if not todo:
-            return []
+        try:
+            jobs = self._allocate(todo) if todo else []
+        except BaseException:
+            self._abandon([p.lease for p in pinned.values()], waiters.values())
+            raise
+        for job in jobs:
+            waiters[job.mm_hash] = job.flight.join(consumer_id, owner=True)
+        return _Admitted(jobs, waiters, pinned)
+
+    def _allocate(self, todo: dict[str, ProcessedItem]) -> list[EncodeJob]:
+        """Blocks for every item of ``todo``, evicting unpinned items for room; all or none."""
+        layout = self.cache.layout
         plans = {h: default_tokens_per_block(item.num_tokens, layout.block_size) for h, item in todo.items()}
         counts = [len(p) for p in plans.values()]
         if not self.cache.can_admit(counts):
@@ -487,7 +450,7 @@ class EncoderEngine:
         if evicted_blocks:
             self.metrics.device_evictions.inc(evicted_blocks)
         loop = asyncio.get_running_loop()
-        jobs: list[_Job] = []
+        jobs: list[EncodeJob] = []
         try:
             for h, item in todo.items():
                 block_ids = self.cache.allocate(h, plans[h])
@@ -495,105 +458,22 @@ class EncoderEngine:
                     raise CacheFullError(
                         f"freed blocks are still inside the {self.cache.min_hold_time_ms} ms hold",
                         retry_after_ms=self._retry_hint_ms())
-                flight = _Flight(loop.create_future(), item.meta)
-                waiters[h] = flight.join(consumer_id, owner=True)
-                self._inflight[h] = flight
-                self._metas[h] = item.meta
-                jobs.append(_Job(h, item, block_ids, plans[h], flight))
+                jobs.append(EncodeJob(h, item, block_ids, plans[h], Flight(loop.create_future(), item.meta)))
         except BaseException:
             for job in jobs:  # never written, never handed out: straight back to free
                 self.cache.free(job.mm_hash)
-                del self._inflight[job.mm_hash]
-                waiters.pop(job.mm_hash, None)
             raise
+        for job in jobs:
+            self._metas[job.mm_hash] = job.item.meta
         return jobs
 
-    def _pin_hit(self, mm_hash: str, consumer_id: str, leases: dict[str, Lease],
-                 metas: dict[str, ItemMeta]) -> bool:
-        """Lease a cached item, pending, into ``leases``; ``False`` if it is absent or unwritten."""
+    def _pin_hit(self, mm_hash: str, consumer_id: str) -> _Pinned | None:
+        """A pending lease on a cached item; ``None`` if it is absent or unwritten."""
         lease = self.cache.acquire(mm_hash, owner=consumer_id, pending=True)
         if lease is None:
-            return False
-        leases[mm_hash] = lease
-        metas[mm_hash] = self._metas.get(mm_hash, ItemMeta())
-        return True
-
-    def _fail_runs(self, batch: list[_Job], message: str) -> None:
-        """Fail every run of ``batch`` not finished yet; its unwritten blocks go back to free."""
-        for job in batch:
-            if self._inflight.get(job.mm_hash) is job.flight:
-                del self._inflight[job.mm_hash]
-                if not self.cache.is_written(job.mm_hash):
-                    self.cache.free(job.mm_hash)
-            if not job.flight.future.done():
-                job.flight.future.set_exception(EpdError(message))
+            return None
+        return _Pinned(lease, self._metas.get(mm_hash, ItemMeta()))
 
     def _retry_hint_ms(self) -> int:
         hint = self.cache.next_reusable_in_ms()
         return max(1, hint if hint is not None else max(self.cache.min_hold_time_ms, 50))
-
-    def _enqueue(self, jobs: list[_Job]) -> None:
-        assert self._wake is not None
-        self._pending.extend(jobs)
-        if jobs:
-            self._queued_tokens += sum(job.item.num_tokens for job in jobs)
-            self.metrics.queue_tokens.set(self._queued_tokens)
-            self._wake.set()
-
-    async def _batch_loop(self) -> None:
-        assert self._wake is not None
-        loop = asyncio.get_running_loop()
-        pending = self._pending
-        while True:
-            if not pending:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            # The first job always runs (an item above the budget runs alone); then take
-            # jobs in order while they fit, stopping before the batch overflows the budget.
-            batch = [pending.popleft()]
-            tokens = batch[0].item.num_tokens
-            while pending and tokens + pending[0].item.num_tokens <= self.batch_tokens:
-                tokens += pending[0].item.num_tokens
-                batch.append(pending.popleft())
-            try:
-                await self._run_batch(loop, batch)
-            except Exception as exc:  # a bug past the run: fail loudly, but the encoder serves on
-                logger.exception("encoder batch of %d items failed after its run", len(batch))
-                self._fail_runs(batch, f"encoder batch failed: {exc}")
-            finally:
-                self._queued_tokens -= tokens
-                self.metrics.queue_tokens.set(self._queued_tokens)
-
-    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:
-        cache = self.cache
-        started = time.perf_counter()
-        try:
-            await loop.run_in_executor(
-                self._encoder_pool,
-                self.runner.write,
-                [j.item for j in batch],
-                [j.block_ids for j in batch],
-                [j.tokens_per_block for j in batch],
-                cache.buffer,
-                cache.layout.scratch_block_id,
-            )
-        except Exception as exc:  # the graph failed: nothing of this batch is servable
-            logger.exception("encoder run failed for %d items", len(batch))
-            self._fail_runs(batch, f"encoder run failed: {exc}")
-            return
-        self.metrics.encode_latency.observe(time.perf_counter() - started)
-        self.stats.encoder_runs += 1
-        self.stats.items_encoded += len(batch)
-        self.stats.batch_sizes.append(len(batch))
-        for job in batch:
-            cache.mark_written(job.mm_hash)
-            self._inflight.pop(job.mm_hash, None)
-            # Lease for every live waiter now, before any other request can evict the item;
-            # pending: each request starts the ttl when it answers.
-            for waiter in job.flight.waiters:
-                if not waiter.cancelled:
-                    waiter.lease = cache.acquire(job.mm_hash, owner=waiter.consumer_id, pending=True)
-            if not job.flight.future.done():
-                job.flight.future.set_result(None)
-        self.update_gauges()

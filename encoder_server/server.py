@@ -29,7 +29,6 @@ server stops and the process exits 0.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import importlib
 import logging
@@ -38,7 +37,6 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -48,7 +46,6 @@ from prometheus_client import start_http_server
 
 from common.config import LIVENESS_SERVICE, READINESS_SERVICE, EncoderServerConfig
 from common.errors import ConfigError
-from common.media import PreprocessParams
 from common.metrics import EncoderMetrics
 from common.wire import SERVICE_NAME, pb2
 from encoder_server.compile_cache import use_compile_cache
@@ -57,7 +54,8 @@ from encoder_server.gate import CacheServiceGate, add_to_server
 # What needs torch (seconds to import) is imported by warm_up, off the event loop and once
 # the port is up; a unit test checks that listening imports no torch. torch._dynamo is the
 # compile backend's: its first use would import it on the event loop.
-_WARM_UP_MODULES = ("common.transport", "encoder_server.service", "encoder_server.vision", "torch._dynamo")
+_WARM_UP_MODULES = ("common.transport", "encoder_server.service", "encoder_server.vision", "encoder_server.towers",
+                    "torch._dynamo")
 if TYPE_CHECKING:
     from common.transport import ProducerTransport
     from encoder_server.cache_blocks import EncoderCacheBlocks
@@ -102,106 +100,6 @@ def _read(path: str) -> bytes:
             return f.read()
     except OSError as exc:
         raise ConfigError(f"cannot read TLS file {path!r}: {exc}") from exc
-
-
-@dataclass
-class _Tower:
-    """What computes the rows, as the server wires it: its preprocessor, runner maker and identity."""
-
-    name: str  # "qwen3vl" | "vllm"
-    out_hidden_size: int
-    deepstack_levels: int
-    preprocessor: Any
-    make_runner: Callable[[int], Any]  # block size -> the engine's runner (may build graphs: slow)
-    params: PreprocessParams
-    fingerprint: str
-    weights_digest: str
-
-
-def _load_tower(cfg: EncoderServerConfig) -> _Tower:
-    """Load the tower ``cfg.tower`` names (``auto``: by the checkpoint's architecture)."""
-    from encoder_server.vllm_tower import resolve_tower
-
-    if resolve_tower(cfg.tower, cfg.weights) == "vllm":
-        return _load_vllm_tower(cfg)
-    from common.layout import parse_dtype
-    from encoder_server.preprocess import PreprocessConfig, Preprocessor
-    from encoder_server.vision import EncoderRunner, load_encoder, native
-    from encoder_server.vision.weights import declared_dtype
-
-    declared, source = declared_dtype(cfg.weights) if cfg.weights is not None else ("float32", "random tower")
-    dtype = _tower_dtype(cfg, declared)
-    logger.info("tower dtype %s (%s)", dtype,
-                f"the checkpoint's, from {source}" if cfg.tower_dtype == "auto" else "--tower-dtype")
-    _warn_if_emulated(dtype, cfg.device)
-    encoder = load_encoder(cfg.weights, device=cfg.device, dtype=parse_dtype(dtype))
-    vision = encoder.config
-    preprocess_config = PreprocessConfig.for_encoder(
-        encoder, weights_dir=cfg.weights, max_image_pixels=cfg.max_image_pixels,
-        max_video_frames=cfg.max_video_frames)
-
-    def make_runner(block_size: int) -> EncoderRunner:
-        # The attention kernel before the graphs: a first build takes about a minute, and
-        # with --attention-kernel native a failure ends the start here.
-        native.configure(cfg.attention_kernel, cfg.compile_cache_dir)
-        native.prepare()
-        logger.info("encoder attention: %s", native.describe(vision.head_dim, cfg.device, encoder.dtype))
-        return EncoderRunner(encoder, block_size=block_size, buckets=cfg.encoder_buckets,
-                             backend=cfg.encoder_backend)
-
-    return _Tower("qwen3vl", vision.out_hidden_size, vision.num_deepstack_levels, Preprocessor(preprocess_config),
-                  make_runner, preprocess_config.params(),
-                  computed_fingerprint(preprocess_config.fingerprint(), dtype), encoder.weights_digest)
-
-
-def _load_vllm_tower(cfg: EncoderServerConfig) -> _Tower:
-    from common.layout import parse_dtype
-    from encoder_server.vllm_tower import VllmRunner, VllmTower
-
-    assert cfg.weights is not None  # the config refuses --tower vllm without --weights
-    dtype = _tower_dtype(cfg, cfg.cache.dtype)
-    tower = VllmTower.load(cfg.weights, device=cfg.device, dtype=parse_dtype(dtype),
-                           max_image_pixels=cfg.max_image_pixels, max_video_frames=cfg.max_video_frames)
-    return _Tower("vllm", tower.embeds_size, tower.deepstack_levels, tower,
-                  lambda block_size: VllmRunner(tower, block_size=block_size,
-                                                max_batch_tokens=max(cfg.encode_batch_tokens, 1)),
-                  PreprocessParams(0, 0, 0, 0, 0), computed_fingerprint(tower.fingerprint(), dtype),
-                  tower.weights_digest)
-
-
-def _tower_dtype(cfg: EncoderServerConfig, auto: str) -> str:
-    """The name of the dtype ``--tower-dtype`` sets, ``auto`` standing for the tower's own default."""
-    return auto if cfg.tower_dtype == "auto" else cfg.tower_dtype
-
-
-def _warn_if_emulated(dtype: str, device: str) -> None:
-    """Say so at start-up when this CPU has no units for the tower's dtype (it runs, several times slower)."""
-    if not device.startswith("cpu") or dtype == "float32":
-        return
-    import torch
-
-    def has(probe: str) -> bool:  # torch's own CPU feature probes (private; absent in old releases: assume yes)
-        fn = getattr(torch.cpu, probe, None)
-        return True if fn is None else bool(fn())
-
-    units = {"bfloat16": has("_is_avx512_bf16_supported") or has("_is_amx_tile_supported"),
-             "float16": has("_is_amx_fp16_supported")}
-    if not units.get(dtype, True):
-        logger.warning("this CPU has no %s matrix units (AVX512-BF16 / AMX): the tower runs %s emulated, "
-                       "slower than float32; --tower-dtype float32 is faster here (its rows get other mm_hashes, "
-                       "so every encoder of a pool must be given the same)", dtype, dtype)
-
-
-def computed_fingerprint(preprocess_fingerprint: str, dtype: str) -> str:
-    """The fingerprint in ``mm_hash``: the preprocessing's, and the tower's dtype unless float32.
-
-    Rows of a tower computed in bfloat16 differ from float32's beyond the cache's rounding, so
-    they must not answer for the same hash; float32 keeps the preprocessing's own fingerprint
-    (the hashes of every earlier release).
-    """
-    if dtype == "float32":
-        return preprocess_fingerprint
-    return hashlib.sha256(f"{preprocess_fingerprint}|tower dtype {dtype}".encode()).hexdigest()[:32]
 
 
 class WarmupAbandoned(Exception):
@@ -278,8 +176,9 @@ class EncoderServer:
         from encoder_server.cache_blocks import EncoderCacheBlocks
         from encoder_server.engine import EncoderEngine
         from encoder_server.service import EncoderCacheServicer, params_to_proto
+        from encoder_server.towers import load as load_tower
 
-        tower = await asyncio.to_thread(_load_tower, cfg)
+        tower = await asyncio.to_thread(load_tower, cfg)
         layout = cfg.cache.layout(tower.out_hidden_size, tower.deepstack_levels)
 
         self._step("registering the cache")
@@ -298,7 +197,7 @@ class EncoderServer:
         preprocessor = tower.preprocessor
         self._preprocess_proto = params_to_proto(tower.params, tower.fingerprint)
         self._weights_digest = tower.weights_digest
-        self._tower = tower.name
+        self._tower = tower.name.value
         total = len(runner.buckets)
         self.metrics.warmup_buckets.set(total)
         self.metrics.warmup_buckets_ready.set(0)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from common.errors import ConfigError
 from encoder_server.vision import native
-from encoder_server.vision.model import TanhGELU, _rotary, _rotary_qk, frame_attention, sdpa_frame_attention
+from encoder_server.vision.model import TanhGELU, frame_attention, sdpa_frame_attention
+from encoder_server.vision.rotary import rotate, rotate_qk
 
 
 def _kernel(isa: str | None = None) -> object:
@@ -258,7 +259,7 @@ def test_rotary_bf16_equals_the_reference_bit_for_bit(isa: str) -> None:
         qkv = (torch.randn(rows, 3, heads, dim, generator=generator) * 5).bfloat16()
         angles = torch.randn(rows, dim // 2, generator=generator) * 10
         cos, sin = angles.cos(), angles.sin()
-        exact = _rotary(qkv[:, :2], cos[:, None, None], sin[:, None, None], torch.bfloat16)
+        exact = rotate(qkv[:, :2], cos[:, None, None], sin[:, None, None], torch.bfloat16)
         out = kernel.rotary_bf16(qkv[:, :2], cos, sin)  # type: ignore[attr-defined]
         assert out.shape == (rows, 2, heads, dim) and out.dtype == torch.bfloat16 and out.is_contiguous()
         assert torch.equal(out.view(torch.int16), exact.view(torch.int16))
@@ -267,7 +268,7 @@ def test_rotary_bf16_equals_the_reference_bit_for_bit(isa: str) -> None:
     x = edges.view(-1, 1, 1, 1).expand(-1, 1, 1, 2).contiguous().bfloat16()
     cos, sin = torch.full((8, 1), 0.75), torch.full((8, 1), 0.5)
     out = kernel.rotary_bf16(x, cos, sin)  # type: ignore[attr-defined]
-    exact = _rotary(x, cos[:, None, None], sin[:, None, None], torch.bfloat16)
+    exact = rotate(x, cos[:, None, None], sin[:, None, None], torch.bfloat16)
     assert torch.equal(out.isnan(), exact.isnan()) and torch.equal(out[~out.isnan()], exact[~exact.isnan()])
 
 
@@ -294,11 +295,11 @@ def test_tower_rotary_takes_the_kernel_only_in_eager_bf16_inference() -> None:
     assert native.bf16_kernel_for(qk) is kernel
     assert native.bf16_kernel_for(qk.float()) is None
     assert native.bf16_kernel_for(qk.clone().requires_grad_()) is None
-    reference = _rotary(qk, cos[:, None, None], sin[:, None, None], torch.bfloat16)
-    assert torch.equal(_rotary_qk(qk, cos, sin, torch.bfloat16), reference)
+    reference = rotate(qk, cos[:, None, None], sin[:, None, None], torch.bfloat16)
+    assert torch.equal(rotate_qk(qk, cos, sin, torch.bfloat16), reference)
     native.configure("sdpa")  # no kernel: torch's element-wise ops, the same values
     assert native.bf16_kernel_for(qk) is None
-    assert torch.equal(_rotary_qk(qk, cos, sin, torch.bfloat16), reference)
+    assert torch.equal(rotate_qk(qk, cos, sin, torch.bfloat16), reference)
     f32 = qk.float()
-    assert torch.equal(_rotary_qk(f32, cos, sin, torch.float32), _rotary(f32, cos[:, None, None], sin[:, None, None],
+    assert torch.equal(rotate_qk(f32, cos, sin, torch.float32), rotate(f32, cos[:, None, None], sin[:, None, None],
                                                                          torch.float32))

@@ -38,7 +38,7 @@ def test_listening_imports_no_torch() -> None:
 
 
 def test_config_knows_the_layout_dtypes_without_torch() -> None:
-    assert set(config.CACHE_DTYPES) == set(layout.DTYPES)
+    assert {dtype.value for dtype in config.CacheDtype} == set(layout.DTYPES)
 
 
 def test_bucket_list_setting() -> None:

@@ -12,7 +12,8 @@ import torch
 from common.config import EncoderServerConfig, add_arguments, build
 from common.errors import ConfigError
 from encoder_server.preprocess import PreprocessConfig, ProcessedItem
-from encoder_server.server import _load_tower, computed_fingerprint
+from encoder_server.towers import load as load_tower
+from encoder_server.towers.base import computed_fingerprint
 from encoder_server.vision import default_tokens_per_block, load_encoder
 from encoder_server.vision.weights import declared_dtype
 from tests.support.checkpoints import write_vision_checkpoint
@@ -41,7 +42,7 @@ def test_float32_keeps_the_preprocessing_fingerprint_and_other_dtypes_get_their_
 def _rows(dtype: str, backend: str = "eager") -> tuple[str, torch.dtype, torch.Tensor]:
     """The tiny tower loaded as ``epd encoder --tower-dtype dtype`` loads it; rows of one image
     through the serving path (``backend``), as float32."""
-    tower = _load_tower(build(EncoderServerConfig, None, {"EPD_TOWER_DTYPE": dtype, "EPD_ENCODER_BACKEND": backend}))
+    tower = load_tower(build(EncoderServerConfig, None, {"EPD_TOWER_DTYPE": dtype, "EPD_ENCODER_BACKEND": backend}))
     runner = tower.make_runner(BLOCK)
     encoder = runner.encoder
     grid = (1, 8, 12)
@@ -102,8 +103,8 @@ def test_the_checkpoint_declares_the_dtype_as_vllm_reads_it(tmp_path: Path) -> N
 def test_auto_runs_a_bfloat16_checkpoint_in_bfloat16_under_bfloat16_hashes(tmp_path: Path) -> None:
     path = _declaring(write_vision_checkpoint(tmp_path / "a", seed=1), text_config={"dtype": "bfloat16"})
     env = {"EPD_WEIGHTS": str(path), "EPD_ENCODER_BACKEND": "eager"}
-    auto = _load_tower(build(EncoderServerConfig, None, env))
-    forced = _load_tower(build(EncoderServerConfig, None, {**env, "EPD_TOWER_DTYPE": "float32"}))
+    auto = load_tower(build(EncoderServerConfig, None, env))
+    forced = load_tower(build(EncoderServerConfig, None, {**env, "EPD_TOWER_DTYPE": "float32"}))
     assert auto.make_runner(BLOCK).encoder.dtype == torch.bfloat16
     assert forced.make_runner(BLOCK).encoder.dtype == torch.float32
     assert auto.fingerprint == computed_fingerprint(forced.fingerprint, "bfloat16") != forced.fingerprint

@@ -13,8 +13,9 @@ from safetensors.torch import save_file
 from common.errors import ConfigError
 from encoder_server.preprocess import expand_still_rows
 from encoder_server.vision import VisionConfig, load_encoder
-from encoder_server.vision.model import TanhGELU, frame_attention, frame_runs, rotary_cos_sin, sdpa_frame_attention
+from encoder_server.vision.model import TanhGELU, frame_attention, frame_runs, sdpa_frame_attention
 from encoder_server.vision.positions import frame_interpolation, frame_positions
+from encoder_server.vision.rotary import rotary_cos_sin
 
 qwen3_vl = pytest.importorskip("transformers.models.qwen3_vl.modeling_qwen3_vl")
 qwen3_vl_config = pytest.importorskip("transformers.models.qwen3_vl.configuration_qwen3_vl")

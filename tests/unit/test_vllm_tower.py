@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import TowerChoice
 from common.errors import ConfigError
 from common.placeholder import ItemMeta
-from encoder_server.vllm_tower import VllmItem, VllmRunner, resolve_tower
+from encoder_server import towers
+from encoder_server.towers.vllm import VllmItem, VllmRunner
 
 WIDTH, BLOCK = 6, 4
 
@@ -24,16 +26,21 @@ def _checkpoint(tmp_path: Path, model_type: str | None) -> str:
     return str(tmp_path)
 
 
+def _resolve(choice: str, weights: str | None) -> str:
+    """The name (as the handshake sends it) of the tower the registry resolves ``choice`` to."""
+    return towers.resolve(TowerChoice(choice), weights).name.value
+
+
 def test_auto_picks_our_tower_for_qwen3_vl_and_vllm_for_every_other_family(tmp_path: Path) -> None:
-    assert resolve_tower("auto", None) == "qwen3vl"
+    assert _resolve("auto", None) == "qwen3vl"
     for model_type, tower in (("qwen3_vl", "qwen3vl"), ("qwen3_vl_moe", "qwen3vl"), (None, "qwen3vl"),
                               ("qwen2_5_vl", "vllm"), ("gemma3", "vllm"), ("llava_onevision", "vllm")):
-        assert resolve_tower("auto", _checkpoint(tmp_path, model_type)) == tower, model_type
-    assert resolve_tower("vllm", _checkpoint(tmp_path, "qwen3_vl")) == "vllm"
-    assert resolve_tower("qwen3vl", _checkpoint(tmp_path, "gemma3")) == "qwen3vl"  # refused later, by name
+        assert _resolve("auto", _checkpoint(tmp_path, model_type)) == tower, model_type
+    assert _resolve("vllm", _checkpoint(tmp_path, "qwen3_vl")) == "vllm"
+    assert _resolve("qwen3vl", _checkpoint(tmp_path, "gemma3")) == "qwen3vl"  # refused later, by name
     (tmp_path / "config.json").write_text("[]")
     with pytest.raises(ConfigError, match="not a JSON object"):
-        resolve_tower("auto", str(tmp_path))
+        _resolve("auto", str(tmp_path))
 
 
 class FakeTower:

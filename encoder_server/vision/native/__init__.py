@@ -32,7 +32,6 @@ uses it.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -45,6 +44,7 @@ from types import ModuleType
 
 import torch
 
+from common.config import AttentionKernel
 from common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -63,12 +63,6 @@ _ISAS_FOR_CAPABILITY: dict[str, tuple[str, ...]] = {"AMX": ("avx512", "avx2"), "
 # SDPA was as fast or faster on the development host (BENCHMARKS.md, "An AVX2 build").
 HEAD_DIMS: dict[str, frozenset[int]] = {"avx512": frozenset({16, 32, 48, 64, 72, 80, 96, 128}),
                                         "avx2": frozenset({16, 32, 48})}
-
-
-class AttentionKernel(enum.Enum):
-    AUTO = "auto"
-    NATIVE = "native"
-    SDPA = "sdpa"
 
 
 class _State:

@@ -1,4 +1,4 @@
-"""The vLLM tower: any checkpoint vLLM serves, encoded by vLLM's own multimodal encoder.
+"""The vLLM tower: any checkpoint vLLM serves, encoded by vLLM's own multimodal encoder (encoder process).
 
 ``epd encoder --tower vllm --weights DIR`` loads the served checkpoint through vLLM with
 ``mm_encoder_only`` (vLLM builds the model class without its language model; those
@@ -32,13 +32,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from common.config import read_json_object
+from common.config import EncoderServerConfig, TowerChoice
 from common.errors import ConfigError, InvalidMediaError
+from common.layout import parse_dtype
+from common.media import PreprocessParams
 from common.placeholder import ItemMeta, PlaceholderField
 from common.vllm_rows import deepstack_levels, row_width
 from common.weights_digest import checkpoint_digest
 from encoder_server.media import DEFAULT_FORMATS, decode_image
-from encoder_server.vision.config import QWEN3_VL_MODEL_TYPES
+from encoder_server.towers.base import LoadedTower, TowerSpec, checkpoint_model_type, computed_fingerprint, tower_dtype
 from encoder_server.vision.runner import item_rows
 
 logger = logging.getLogger(__name__)
@@ -50,25 +52,6 @@ DEFAULT_BATCH_TOKENS = 2048
 # Files of a checkpoint that decide preprocessing; their bytes go into the fingerprint.
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
                     "chat_template.json", "config.json")
-
-
-def checkpoint_model_type(weights: str | Path) -> tuple[str | None, str]:
-    """``(model_type, architectures)`` of a checkpoint's ``config.json``."""
-    raw = read_json_object(Path(weights) / "config.json")
-    archs = raw.get("architectures")
-    named = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "?"
-    model_type = raw.get("model_type")
-    return (str(model_type) if model_type is not None else None), named
-
-
-def resolve_tower(tower: str, weights: str | None) -> str:
-    """``auto`` -> ``qwen3vl`` for Qwen3-VL checkpoints (and the built-in tiny tower), else ``vllm``."""
-    if tower != "auto":
-        return tower
-    if weights is None:
-        return "qwen3vl"
-    model_type, _ = checkpoint_model_type(weights)
-    return "qwen3vl" if model_type is None or model_type in QWEN3_VL_MODEL_TYPES else "vllm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +269,24 @@ class VllmRunner:
             on_bucket(1, 1)
 
 
+def accepts(weights: str | None) -> bool:
+    """Any checkpoint: one vLLM cannot serve is refused when it loads, naming its architecture."""
+    return weights is not None
+
+
+def load(cfg: EncoderServerConfig) -> LoadedTower:
+    """``--weights``' encoder through vLLM, computing in ``--tower-dtype`` (auto: the cache's dtype)."""
+    assert cfg.weights is not None  # the config refuses --tower vllm without --weights
+    dtype = tower_dtype(cfg, cfg.cache.dtype.value)
+    tower = VllmTower.load(cfg.weights, device=cfg.device, dtype=parse_dtype(dtype),
+                           max_image_pixels=cfg.max_image_pixels, max_video_frames=cfg.max_video_frames)
+    return LoadedTower(SPEC.name, tower.embeds_size, tower.deepstack_levels, tower,
+                       lambda block_size: VllmRunner(tower, block_size=block_size,
+                                                     max_batch_tokens=max(cfg.encode_batch_tokens, 1)),
+                       PreprocessParams(0, 0, 0, 0, 0), computed_fingerprint(tower.fingerprint(), dtype),
+                       tower.weights_digest)
+
+
 def _fingerprint(checkpoint: Path) -> str:
     from vllm import __version__ as vllm_version
 
@@ -342,3 +343,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+SPEC = TowerSpec(TowerChoice.VLLM, accepts, load)
