@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "encoder": ("encoder_server.cli", "main", "run the encoder service (gRPC + NIXL cache + /metrics)"),
     "prefill": ("prefill_client.reference.cli", "main", "run the reference prefill worker against encoders"),
     "demo": ("encoder_server.demo.cli", "main", "start an encoder and two prefill workers and run a workload"),
-    "proxy": ("prefill_client.proxy.app", "main",
+    "proxy": ("prefill_client.proxy.cli", "main",
               "run the OpenAI-compatible front: encode media on encoders, forward to vLLM"),
     "vllm": ("prefill_client.vllm.launch", "main", "run vLLM's command line (vllm serve ...), CPU build included"),
     "weights-digest": ("common.weights_digest", "main",

@@ -16,10 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
+from epd_harness.media import image_url
+from epd_harness.procs import EncoderProcess, start_encoder
+from epd_harness.vllm import Server, chat_body, start_proxy
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.handoff import from_params
-from tests.support.procs import EncoderProcess, start_encoder
-from tests.support.vllm_stack import Server, chat_body, image_url, start_proxy
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -25,6 +25,9 @@ EXPECTED = {
     errors.TransportUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
     errors.TransferTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.PeerDisconnected: grpc.StatusCode.UNAVAILABLE,
+    errors.EncoderCallError: grpc.StatusCode.INTERNAL,
+    errors.EncoderUnreachable: grpc.StatusCode.UNAVAILABLE,
+    errors.EncoderCallTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.EncoderCacheReadError: grpc.StatusCode.INTERNAL,
     errors.ECLoadFailure: grpc.StatusCode.ABORTED,
 }
@@ -66,3 +69,39 @@ def test_cache_full_carries_retry_hint() -> None:
 def test_invalid_media_names_item_and_reason() -> None:
     err = errors.InvalidMediaError("item 2 (uuid cat)", "truncated PNG")
     assert "item 2 (uuid cat)" in str(err) and "truncated PNG" in str(err)
+
+
+class _Status(grpc.RpcError):
+    """A failed call as grpc raises it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize("code, details, cls", [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "cache full (retry after 250 ms)", errors.CacheFullError),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "request has 40 items; at most 32", errors.LimitExceededError),
+    (grpc.StatusCode.INVALID_ARGUMENT, "model_id is empty", errors.InvalidRequestError),
+    (grpc.StatusCode.UNAUTHENTICATED, "bad token", errors.AuthError),
+    (grpc.StatusCode.FAILED_PRECONDITION, "model_id mismatch", errors.HandshakeError),
+    (grpc.StatusCode.UNAVAILABLE, "connection refused", errors.EncoderUnreachable),
+    (grpc.StatusCode.CANCELLED, "channel closed", errors.EncoderUnreachable),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", errors.EncoderCallTimeout),
+    (grpc.StatusCode.INTERNAL, "boom", errors.EncoderCallError),
+    (grpc.StatusCode.UNKNOWN, "exception in handler", errors.EncoderCallError),
+])
+def test_every_failed_call_becomes_a_typed_error(code: grpc.StatusCode, details: str, cls: type[EpdError]) -> None:
+    from prefill_client.consumer.connection import status_error
+
+    err = status_error(_Status(code, details))
+    assert type(err) is cls
+    if isinstance(err, errors.EncoderCallError):
+        assert (err.code, err.details, str(err)) == (code, details, f"{code.name}: {details}")
+    if isinstance(err, errors.CacheFullError):
+        assert err.retry_after_ms == 250

@@ -14,7 +14,7 @@ from common.placeholder import MAX_VALUES, PlaceholderField, as_json, from_proto
 from common.wire import pb2
 from prefill_client.handoff import Placement
 from prefill_client.consumer.connection import MediaSpec
-from prefill_client.proxy.app import _Part
+from prefill_client.proxy.rewrite import Part
 
 
 def test_fields_keep_name_shape_type_and_values_through_the_wire_and_json() -> None:
@@ -54,7 +54,7 @@ def _placed(**location: object) -> Placement:
 
 def test_the_proxy_sends_whatever_fields_the_encoder_answered_and_the_media_when_there_are_none() -> None:
     content = [{"type": "image_url", "image_url": {"url": "file:///somewhere/cat.png"}}]
-    part = _Part(content, 0, "messages[0].content[0]", MediaSpec.image(_png()))
+    part = Part(content, 0, "messages[0].content[0]", MediaSpec.image(_png()))
     grid = _placed(placeholder=to_proto([PlaceholderField.of("image_grid_thw", [1, 4, 6])]), modality="image")
     assert part.rewritten(grid) == {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 6]},
                                     "uuid": "h1"}
@@ -72,7 +72,7 @@ def test_the_proxy_sends_whatever_fields_the_encoder_answered_and_the_media_when
 
 def test_a_video_goes_as_metadata_from_our_tower_and_as_the_request_gave_it_from_vllms() -> None:
     video = {"type": "video_url", "video_url": {"url": "data:video/jpeg;base64,AAAA,BBBB,CCCC,DDDD"}}
-    part = _Part([video], 0, "messages[0].content[0]", MediaSpec.video([b"f"] * 4, 0.0), fps=2.0)
+    part = Part([video], 0, "messages[0].content[0]", MediaSpec.video([b"f"] * 4, 0.0), fps=2.0)
     placed = _placed(placeholder=to_proto([PlaceholderField.of("video_grid_thw", [2, 4, 4])]), modality="video")
     ours = part.rewritten(placed, ours=True)
     assert ours["type"] == "video_embeds" and ours["uuid"] == "h1"

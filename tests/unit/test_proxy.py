@@ -15,16 +15,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from common.config import ProxyConfig
-from common.errors import CacheFullError, ECLoadFailure, HandshakeError, InvalidMediaError, LoadFailureReason
+from common.errors import (
+    CacheFullError,
+    ECLoadFailure,
+    EncoderCallError,
+    EncoderUnreachable,
+    EpdError,
+    HandshakeError,
+    InvalidMediaError,
+    LimitExceededError,
+    LoadFailureReason,
+    WeightsMismatchError,
+)
 from common.wire import pb2
 from prefill_client.handoff import Placement
 from prefill_client.consumer.connection import MediaSpec
-from prefill_client.proxy.app import MAX_MODELS, Proxy
+from prefill_client.proxy.app import Proxy
+from prefill_client.proxy.clients import MAX_MODELS
 from prefill_client.handoff import from_params
 
 PNG = b"\x89PNG fake bytes"
@@ -37,11 +50,14 @@ def _data_url(data: bytes = PNG) -> str:
 @dataclass
 class FakeConn:
     present: bool = True
-    tower: str = "qwen3vl"
+    processor_is_ours: bool = True  # epd-cache's own tower
     lookups: list[list[str]] = field(default_factory=list)
+    error: Exception | None = None  # what lookup raises
 
     def lookup(self, hashes: Sequence[str]) -> list[pb2.ItemLocation | None]:
         self.lookups.append(list(hashes))
+        if self.error is not None:
+            raise self.error
         return [pb2.ItemLocation(mm_hash=h, lease_id=5) if self.present else None for h in hashes]
 
     def release(self, lease_ids: Sequence[int]) -> None:
@@ -155,6 +171,14 @@ def test_images_become_embeds_parts_with_their_locations() -> None:
     (HandshakeError("model_id mismatch: this encoder serves 'my-vlm', request names 'tiny-qwen3-vl'"), 502,
      "refused the handshake for model 'tiny-qwen3-vl' (from --model-id): model_id mismatch: this encoder serves "
      "'my-vlm', request names 'tiny-qwen3-vl' (epd proxy's --model-id must be the encoders')"),
+    (LimitExceededError("request has 40 items; at most 32"), 400, "request has 40 items; at most 32"),
+    (ECLoadFailure(LoadFailureReason.TIMEOUT, "h"), 502, "encoding failed: EC load failure (timeout) for mm_hash h"),
+    (WeightsMismatchError("a:1", "d1", "d2"), 502,
+     "encoding failed: encoder a:1 serves vision weights d2, this consumer expects d1"),
+    (EncoderUnreachable(grpc.StatusCode.UNAVAILABLE, "connection refused"), 503,
+     "encoder error: UNAVAILABLE: connection refused"),
+    (EncoderCallError(grpc.StatusCode.INTERNAL, "boom"), 503, "encoder error: INTERNAL: boom"),
+    (EpdError("something else"), 502, "encoding failed: EpdError: something else"),
 ])
 def test_encoder_errors_map_to_http(error: Exception, status: int, words: str) -> None:
     got, headers, answer, seen = asyncio.run(_run(FakeClient(error=error), _ok, _chat(_image(_data_url()))))
@@ -162,6 +186,14 @@ def test_encoder_errors_map_to_http(error: Exception, status: int, words: str) -
     assert not seen
     if status == 429:
         assert headers["Retry-After"] == "2"
+
+
+def test_an_encoders_invalid_media_message_names_the_item_once() -> None:
+    # The encoder's message for the item carries its label already, and the client labels it again.
+    label = "item 0 (messages[1].content[0])"
+    error = InvalidMediaError(label, f"invalid media item {label}: not a decodable image")
+    status, _, answer, _ = asyncio.run(_run(FakeClient(error=error), _ok, _chat(_image(_data_url()))))
+    assert status == 400 and answer["error"]["message"] == f"invalid media item {label}: not a decodable image"
 
 
 @pytest.mark.parametrize("url, words", [
@@ -206,7 +238,7 @@ def test_videos_become_embeds_parts_with_their_timestamps() -> None:
 
 
 def test_video_timestamps_follow_vllm() -> None:
-    from prefill_client.proxy.app import video_timestamps
+    from prefill_client.proxy.rewrite import video_timestamps
 
     assert video_timestamps(4, 1.0, 2) == [0.5, 2.5]
     assert video_timestamps(3, 1.0, 2) == [0.5, 2.0]  # the last frame repeated
@@ -246,6 +278,15 @@ def test_a_failed_backend_request_is_explained(present: bool, words: str) -> Non
     message = answer["error"]["message"]
     assert "failed the request (500: Internal server error)" in message and words in message
     assert client.conn.lookups
+
+
+def test_a_failed_backend_request_names_an_unreachable_encoder() -> None:
+    async def fails(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "Internal server error"}}, status=500)
+
+    client = FakeClient(conn=FakeConn(error=EncoderUnreachable(grpc.StatusCode.UNAVAILABLE, "connection refused")))
+    status, _, answer, _ = asyncio.run(_run(client, fails, _chat(_image(_data_url()))))
+    assert status == 500 and "encoder 127.0.0.1:1 is unreachable (UNAVAILABLE)" in answer["error"]["message"], answer
 
 
 def test_streams_are_relayed_as_they_come() -> None:
