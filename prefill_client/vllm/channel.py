@@ -1,4 +1,5 @@
-"""The connector's side channel between vLLM's scheduler and its workers (ZeroMQ, one host).
+"""The connector's side channel between vLLM's scheduler and its workers, ZeroMQ on one host
+(vLLM scheduler process: :class:`SchedulerChannel`; vLLM worker process: :class:`WorkerChannel`).
 
 Why a channel of our own. vLLM hands connector metadata to the workers only inside a step that
 runs tokens: a step whose requests are all deferred (every one waiting for its pulls) never
@@ -9,13 +10,13 @@ still travels in the step's metadata; orders and reports travel here.
 
 The scheduler binds a ROUTER socket on an ``ipc://`` path derived from the engine's identity
 (:func:`address`); each worker's DEALER connects, says hello with its rank, and then receives
-every order and sends its reports. Messages are JSON objects: small (locations, ids, reasons),
-never rows.
+every order and sends its reports. Messages are the typed ones of :mod:`prefill_client.handoff`
+(:class:`~prefill_client.handoff.PullOrder`, ``Cancel``, ``PullDone``, ``PullFailed``; the hello
+is the channel's own business), small JSON objects (locations, ids, reasons), never rows.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -25,6 +26,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
+
+from common.errors import ConfigError
+from prefill_client.handoff import (
+    Cancel,
+    Hello,
+    Order,
+    PullDone,
+    PullFailed,
+    PullOrder,
+    Report,
+    decode_message,
+    encode_message,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -41,10 +55,6 @@ def address(vllm_config: VllmConfig) -> str:
     name = f"epd-ec-{vllm_config.instance_id}-dp{parallel.data_parallel_rank}"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     return f"ipc://{os.path.join(tempfile.gettempdir(), safe)}"
-
-
-def _encode(msg: dict[str, Any]) -> bytes:
-    return json.dumps(msg, separators=(",", ":")).encode()
 
 
 class SchedulerChannel:
@@ -75,33 +85,37 @@ class SchedulerChannel:
         """Every rank said hello: an order sent now reaches all of them."""
         return len(self._peers) >= self.ranks
 
-    def send(self, msg: dict[str, Any]) -> None:
-        """``msg`` to every rank that joined."""
-        data = _encode(msg)
+    def send(self, order: Order) -> None:
+        """``order`` to every rank that joined."""
+        data = encode_message(order)
         for rank, ident in list(self._peers.items()):
             try:
                 self._sock.send_multipart([ident, data], zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # the worker is gone (engine shutting down) or its queue is full
                 logger.warning("EpdCacheConnector: order to rank %d not sent: %s", rank, exc)
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[Report]:
         """Every report that arrived since the last call (hellos are taken here)."""
-        out: list[dict[str, Any]] = []
+        out: list[Report] = []
         while True:
             try:
                 ident, data = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
             try:
-                msg = json.loads(data)
-                if msg.get("op") == "hello":
-                    self._peers[int(msg["rank"])] = ident
-                    logger.info("EpdCacheConnector: worker rank %s joined (%d of %d)", msg["rank"],
-                                len(self._peers), self.ranks)
-                else:
-                    out.append(msg)
-            except (ValueError, KeyError, TypeError) as exc:
+                msg = decode_message(data)
+            except ConfigError as exc:
                 logger.error("EpdCacheConnector: unreadable message from a worker dropped: %s", exc)
+                continue
+            if isinstance(msg, Hello):
+                self._peers[msg.rank] = ident
+                logger.info("EpdCacheConnector: worker rank %d joined (%d of %d)", msg.rank, len(self._peers),
+                            self.ranks)
+            elif isinstance(msg, (PullDone, PullFailed)):
+                out.append(msg)
+            else:
+                logger.error("EpdCacheConnector: a worker sent a %s message, which only the scheduler sends; dropped",
+                             msg.op.value)
 
     def close(self) -> None:
         self._sock.close(0)
@@ -121,7 +135,7 @@ class WorkerChannel:
     called from any thread: each thread gets its own in-process socket to the loop.
     """
 
-    def __init__(self, addr: str, rank: int, on_order: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, addr: str, rank: int, on_order: Callable[[Order], None]) -> None:
         self.rank = rank
         self._on_order = on_order
         self._ctx = zmq.Context()
@@ -140,7 +154,7 @@ class WorkerChannel:
         self._thread = threading.Thread(target=self._run, name=f"epd-ec-channel-{rank}", daemon=True)
         self._thread.start()
 
-    def report(self, msg: dict[str, Any]) -> None:
+    def report(self, report: Report) -> None:
         sock = getattr(self._local, "sock", None)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
@@ -149,11 +163,11 @@ class WorkerChannel:
             self._local.sock = sock
             with self._senders_lock:
                 self._senders.append(sock)
-        sock.send(_encode({**msg, "rank": self.rank}))
+        sock.send(encode_message(report))
 
     def _run(self) -> None:
         # DEALER queues this until the scheduler's socket is bound (it starts after the workers).
-        self._dealer.send(_encode({"op": "hello", "rank": self.rank}))
+        self._dealer.send(encode_message(Hello(self.rank)))
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._reports, zmq.POLLIN)
@@ -172,13 +186,24 @@ class WorkerChannel:
                             data = self._dealer.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._on_order(json.loads(data))
+                        self._take(data)
             except zmq.ZMQError as exc:
                 if self._closed.is_set():
                     return
                 logger.error("EpdCacheConnector: worker channel: %s", exc)
             except Exception:  # an order we could not act on: say so, keep serving the others
                 logger.exception("EpdCacheConnector: worker channel: order failed")
+
+    def _take(self, data: bytes) -> None:
+        try:
+            msg = decode_message(data)
+        except ConfigError as exc:
+            logger.error("EpdCacheConnector rank %d: unreadable order dropped: %s", self.rank, exc)
+            return
+        if isinstance(msg, (PullOrder, Cancel)):
+            self._on_order(msg)
+        else:
+            logger.error("EpdCacheConnector rank %d: unknown order %r", self.rank, msg.op.value)
 
     def close(self) -> None:
         self._closed.set()

@@ -1,4 +1,5 @@
-"""``EpdCacheConnector``: vLLM's encoder-cache (EC) connector, consumer role, over epd-cache.
+"""``EpdCacheConnector``: vLLM's encoder-cache (EC) connector, consumer role, over epd-cache
+(vLLM scheduler process and every vLLM worker process: vLLM builds one in each, by role).
 
 Loaded by vLLM (0.32 / 0.33) with::
 
@@ -15,12 +16,15 @@ an item "is available" (``has_cache_item``) and, in the same step, has the worke
 ``encoder_cache`` and gather it: a worker that finds nothing then raises ``Encoder cache miss``
 and the engine dies. So "available" must mean "in hand" on every rank that gathers.
 
-- ``worker`` (:mod:`prefill_client.vllm.worker_pulls`): ``ensure_cache_available`` defers a
-  request and orders its items' pull from every tensor-parallel rank over the connector's side
-  channel (the proxy's leased locations from the request's ``ec_transfer_params``, or a
-  ``Lookup`` of each ``mm_hash``). Each rank pulls, verified, into a landing pool registered
-  with NIXL on its own device and reports; the item is available once every rank reported it.
-  The step's metadata carries only the ids to place and drop.
+This module only translates vLLM's hooks and picks the strategy's pair (:data:`PAIRS`), the way
+vLLM's NIXL connector picks its pull or push pair; the scheduler halves are in
+:mod:`.scheduler` (both extend :class:`~.tracker.PullTracker`), the worker halves in :mod:`.worker`.
+
+- ``worker``: ``ensure_cache_available`` defers a request and orders its items' pull from every
+  tensor-parallel rank over the connector's side channel (the proxy's leased locations from the
+  request's ``ec_transfer_params``, or a ``Lookup`` of each ``mm_hash``). Each rank pulls,
+  verified, into a landing pool registered with NIXL on its own device and reports; the item is
+  available once every rank reported it. The step's metadata carries only the ids to place and drop.
 - ``scheduler``: the scheduler pulls into host memory in two background threads and ships the
   verified rows to every worker inside the step's metadata.
 
@@ -32,13 +36,10 @@ Leases are given back once, in the name of whoever took them.
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import logging
 import os
-from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,13 +50,14 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from common.config import PrefillConfig, PullSide, build_from_mapping
-from common.errors import ConfigError, ECLoadFailure, EpdError, LoadFailureReason
+from common.errors import ConfigError
 from common.metrics import PrefillMetrics
 from common.vllm_rows import row_width as model_row_width
 from prefill_client.vllm import channel
-from prefill_client.vllm.items import Wanted, shape_problem, wanted_items, worker_device
-from prefill_client.handoff import from_params
-from prefill_client.vllm.worker_pulls import WorkerLoader, WorkerPulls
+from prefill_client.vllm.items import EngineFacts, StepOrders
+from prefill_client.vllm.scheduler import SchedulerPulls, WorkerPulls
+from prefill_client.vllm.tracker import PullTracker
+from prefill_client.vllm.worker import ShippedRows, WorkerHalf, WorkerLoader
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,23 +65,28 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from prefill_client.consumer.client import EncoderCacheClient
-    from prefill_client.handoff import Placement
 
 logger = logging.getLogger(__name__)
 
-PULL_THREADS = 2
-
 
 @dataclass
-class EpdCacheConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc]  # vLLM is not type-checked here
-    """Scheduler -> workers, per step. Worker path: the ids of the items to put into
-    ``encoder_cache`` from the rows each rank holds (``place``) and of rows nobody needs any
-    more (``drop``: identifier and the pull that landed them). Scheduler path: the verified rows
-    themselves (``rows``)."""
+class EpdCacheConnectorMetadata(StepOrders, ECConnectorMetadata):  # type: ignore[misc]  # vLLM is not type-checked here
+    """Scheduler -> workers, per step: the step's orders (:class:`~.items.StepOrders`: ids to
+    ``place`` and to ``drop`` on the worker path, the verified ``rows`` on the scheduler path)."""
 
-    place: list[str] = field(default_factory=list)
-    drop: list[tuple[str, str]] = field(default_factory=list)
-    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """One pull strategy: what vLLM's scheduler runs of it, and what each worker runs."""
+
+    scheduler: Callable[[PrefillConfig, EngineFacts, PrefillMetrics], PullTracker[Any]]
+    worker: Callable[[PrefillConfig, EngineFacts, int], WorkerHalf]
+
+
+PAIRS: Mapping[PullSide, Pair] = {
+    PullSide.WORKER: Pair(WorkerPulls.start, WorkerLoader.start),
+    PullSide.SCHEDULER: Pair(SchedulerPulls.start, ShippedRows.start),
+}
 
 
 def connector_config(vllm_config: VllmConfig) -> PrefillConfig:
@@ -97,6 +104,15 @@ def connector_config(vllm_config: VllmConfig) -> PrefillConfig:
 def row_width(vllm_config: VllmConfig) -> int:
     """Width of one encoder row the model vLLM loaded expects (:func:`common.vllm_rows.row_width`)."""
     return model_row_width(vllm_config.model_config)
+
+
+def engine_facts(vllm_config: VllmConfig) -> EngineFacts:
+    """What the connector's halves need to know about the engine, from its config."""
+    dtype = vllm_config.model_config.dtype  # resolved to a torch.dtype once the config is built
+    return EngineFacts(width=row_width(vllm_config),
+                       dtype=dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype)),
+                       channel=channel.address(vllm_config),
+                       ranks=vllm_config.parallel_config.tensor_parallel_size)
 
 
 def _start_metrics(cfg: PrefillConfig, metrics: PrefillMetrics) -> Any:
@@ -118,58 +134,38 @@ class EpdCacheConnector(ECConnectorBase):  # type: ignore[misc]
         if not self.is_consumer or self.is_producer:
             raise ConfigError(f"EpdCacheConnector is a consumer: ec_role must be ec_consumer, "
                               f"got {vllm_config.ec_transfer_config.ec_role!r}")
-        dtype = vllm_config.model_config.dtype  # resolved to a torch.dtype once the config is built
-        self._dtype: torch.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
         self._cfg = connector_config(vllm_config)
-        self._width = row_width(vllm_config)
-        self._channel_address = channel.address(vllm_config)
-        self._scheduler: _SchedulerPulls | WorkerPulls | None = None
-        self._loader: WorkerLoader | None = None
+        self._engine = engine_facts(vllm_config)
+        self._pair = PAIRS[self._cfg.pull_on]
+        self._scheduler: PullTracker[Any] | None = None
+        self._worker: WorkerHalf | None = None
         self._httpd: Any = None
         if role == ECConnectorRole.SCHEDULER:
             metrics = PrefillMetrics()
-            if self._cfg.pull_on is PullSide.WORKER:
-                self._scheduler = self._start_tracking(vllm_config, metrics)
-            else:
-                self._scheduler = _SchedulerPulls.start(self._cfg, self._width, metrics)
+            self._scheduler = self._pair.scheduler(self._cfg, self._engine, metrics)
             self._httpd = _start_metrics(self._cfg, metrics)
             logger.info("EpdCacheConnector: consumer of encoders %s (model_id %s), pulls on the %s",
                         ",".join(self._cfg.encoders), self._cfg.model_id, self._cfg.pull_on.value)
 
-    def _start_tracking(self, vllm_config: VllmConfig, metrics: PrefillMetrics) -> WorkerPulls:
-        from prefill_client.consumer.client import EncoderCacheClient
-
-        # This client pulls nothing (the workers do): it looks items up and gives leases back.
-        client = EncoderCacheClient.from_config(
-            dataclasses.replace(self._cfg, landing_blocks=1, local_cache_blocks=1), metrics)
-        ranks = vllm_config.parallel_config.tensor_parallel_size
-        return WorkerPulls(client, channel.SchedulerChannel(self._channel_address, ranks), self._cfg.landing_blocks)
-
     # --- worker side -------------------------------------------------------------------------
 
     def start_worker_services(self) -> None:
-        """Worker path: this rank's landing pool, client and channel, once the model is resident."""
-        if self._cfg.pull_on is not PullSide.WORKER or self._loader is not None:
+        """This worker's half of the strategy (worker path: its landing pool, client and channel),
+        once the model is resident."""
+        if self._worker is not None:
             return
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         if not get_pp_group().is_first_rank:
-            return  # only the first pipeline stage gathers encoder outputs
-        self._loader = WorkerLoader.start(self._cfg, self._width, self._dtype, self._channel_address,
-                                          get_tensor_model_parallel_rank())
+            return  # only the first pipeline stage gathers encoder outputs (and loads caches)
+        self._worker = self._pair.worker(self._cfg, self._engine, get_tensor_model_parallel_rank())
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         """Put this step's items into ``encoder_cache`` on this worker's device."""
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, EpdCacheConnectorMetadata)
-        if self._loader is not None:
-            self._loader.place(metadata.place, encoder_cache)
-            self._loader.drop(metadata.drop)
-        if metadata.rows:
-            device = worker_device()
-            for identifier, rows in metadata.rows.items():
-                if identifier not in encoder_cache:
-                    encoder_cache[identifier] = rows.to(device=device, dtype=self._dtype)
+        if self._worker is not None:
+            self._worker.load(metadata, encoder_cache)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         """Nothing: this connector only consumes (the encoder owns the cache)."""
@@ -190,11 +186,8 @@ class EpdCacheConnector(ECConnectorBase):  # type: ignore[misc]
         self._side().allocated(request.mm_features[index].identifier)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> EpdCacheConnectorMetadata:
-        side = self._side()
-        if isinstance(side, WorkerPulls):
-            orders = side.take_orders()
-            return EpdCacheConnectorMetadata(place=orders.place, drop=orders.drop)
-        return EpdCacheConnectorMetadata(rows=side.take_to_load())
+        step = self._side().take_step()
+        return EpdCacheConnectorMetadata(place=step.place, drop=step.drop, rows=step.rows)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._side().finished(request)
@@ -203,140 +196,15 @@ class EpdCacheConnector(ECConnectorBase):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
-        if self._loader is not None:
-            self._loader.close()
+        if self._worker is not None:
+            self._worker.close()
         if self._httpd is not None:
             self._httpd.shutdown()
 
-    def _side(self) -> _SchedulerPulls | WorkerPulls:
+    def _side(self) -> PullTracker[Any]:
         assert self._scheduler is not None, "a scheduler-side call on a worker-side connector"
         return self._scheduler
 
     @property
     def client(self) -> EncoderCacheClient:
         return self._side().client
-
-
-class _SchedulerPulls:
-    """The scheduler path: pulls in the background; says "available" only for rows in hand."""
-
-    @classmethod
-    def start(cls, cfg: PrefillConfig, width: int | None, metrics: PrefillMetrics) -> _SchedulerPulls:
-        from prefill_client.consumer.client import EncoderCacheClient
-
-        return cls(EncoderCacheClient.from_config(cfg, metrics, probe_connections=True), width)
-
-    def __init__(self, client: EncoderCacheClient, width: int | None) -> None:
-        self.client = client
-        self.metrics = client.metrics
-        self.width = width
-        self._threads = concurrent.futures.ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="epd-pull")
-        self._jobs: dict[str, tuple[concurrent.futures.Future[dict[str, torch.Tensor]], list[Placement]]] = {}
-        self._rows: dict[str, torch.Tensor] = {}  # identifier -> verified rows, while a request needs them
-        self._users: defaultdict[str, set[str]] = defaultdict(set)  # identifier -> request ids
-        self._unavailable: dict[str, str] = {}  # request id -> why
-        self._reported: set[str] = set()
-        self._to_load: dict[str, torch.Tensor] = {}
-
-    def has(self, identifier: str) -> bool:
-        return identifier in self._rows
-
-    def ensure(self, request: Request, num_computed_tokens: int) -> bool:
-        rid = request.request_id
-        if rid in self._unavailable or rid in self._reported:
-            return False
-        wanted = wanted_items(request, num_computed_tokens)
-        for w in wanted:
-            self._users[w.identifier].add(rid)
-        missing = [w for w in wanted if w.identifier not in self._rows]
-        if not missing:
-            return True
-        job = self._jobs.get(rid)
-        if job is None:
-            try:
-                placed = from_params(getattr(request, "ec_transfer_params", None))
-            except ConfigError as exc:
-                self._fail(rid, f"bad ec_transfer_params: {exc}")
-                return False
-            mine = [placed[w.identifier] for w in missing if w.identifier in placed]
-            self._jobs[rid] = (self._threads.submit(self._pull, missing, placed), mine)
-            return False
-        if not job[0].done():
-            return False
-        del self._jobs[rid]
-        try:
-            rows = job[0].result()
-        except ECLoadFailure as exc:
-            self._fail(rid, str(exc))
-            return False
-        except EpdError as exc:  # typed: a config or transport problem of this request
-            self.metrics.load_failures.labels(reason=LoadFailureReason.HANDSHAKE.value).inc()
-            self._fail(rid, f"{type(exc).__name__}: {exc}")
-            return False
-        except Exception as exc:  # never the engine's problem: fail the request, say what happened
-            logger.exception("EpdCacheConnector: pull for request %s failed unexpectedly", rid)
-            self._fail(rid, f"{type(exc).__name__}: {exc}")
-            return False
-        for w in missing:
-            got = rows.get(w.identifier)
-            problem = f"item {w.identifier} was not delivered" if got is None else shape_problem(w.identifier, got, w.num_embeds, self.width)
-            if problem is not None:
-                self.metrics.load_failures.labels(reason=LoadFailureReason.TOKEN_COUNT.value).inc()
-                self._fail(rid, problem)
-                return False
-        self._rows.update(rows)
-        return all(w.identifier in self._rows for w in wanted)
-
-    def _pull(self, missing: Sequence[Wanted], placed: Mapping[str, Placement]) -> dict[str, torch.Tensor]:
-        """Worker thread: one verified pull for the request's missing items (bounded by the client's deadlines)."""
-        with_location = [placed[w.identifier] for w in missing if w.identifier in placed]
-        by_lookup = [w.identifier for w in missing if w.identifier not in placed]
-        out: dict[str, torch.Tensor] = {}
-        if with_location:
-            for item in self.client.pull_placed(with_location):
-                out[item.mm_hash] = item.embeddings
-        if by_lookup:
-            for ident, looked_up in zip(by_lookup, self.client.lookup(by_lookup, require=True)):
-                assert looked_up is not None  # require=True raises instead
-                out[ident] = looked_up.embeddings
-        return out
-
-    def _fail(self, rid: str, why: str) -> None:
-        logger.warning("EpdCacheConnector: request %s fails: %s", rid, why)
-        self._unavailable[rid] = why
-
-    def take_unavailable(self) -> set[str]:
-        out = set(self._unavailable)
-        self._reported |= out
-        self._unavailable.clear()
-        return out
-
-    def allocated(self, identifier: str) -> None:
-        rows = self._rows.get(identifier)
-        if rows is not None:
-            self._to_load[identifier] = rows
-
-    def take_to_load(self) -> dict[str, torch.Tensor]:
-        out, self._to_load = self._to_load, {}
-        return out
-
-    def finished(self, request: Request) -> None:
-        rid = request.request_id
-        job = self._jobs.pop(rid, None)
-        if job is not None and job[0].cancel():  # never started: its leases are still out
-            self.client.release_placed(job[1])
-        # (one already running ends within the client's deadlines and gives its leases back)
-        self._unavailable.pop(rid, None)
-        self._reported.discard(rid)
-        for feature in request.mm_features:
-            users = self._users.get(feature.identifier)
-            if users is None:
-                continue
-            users.discard(rid)
-            if not users:
-                del self._users[feature.identifier]
-                self._rows.pop(feature.identifier, None)
-
-    def close(self) -> None:
-        self._threads.shutdown(wait=True, cancel_futures=True)
-        self.client.close()

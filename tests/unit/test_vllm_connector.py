@@ -1,9 +1,13 @@
-"""The vLLM connector's scheduler side with a fake client: "available" only with rows in hand,
-failures fail the request (never the engine), rows kept while a request needs them; and the
-``ec_transfer_params`` codec the proxy and the connector share."""
+"""The vLLM connector's scheduler path with a fake client: "available" only with rows in hand,
+failures fail the request (never the engine) and are counted once, rows kept while a request
+needs them, shipped rows placed on the worker; the failure ladder; the connector's pairs; and
+what ``prefill_client.handoff`` shares: the ``ec_transfer_params`` codec the proxy and the
+connector read, and the side channel's typed messages."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 import time
 from collections.abc import Sequence
@@ -14,12 +18,23 @@ from typing import Any
 import pytest
 import torch
 
-from common.errors import ConfigError, ECLoadFailure, LoadFailureReason
+from common.errors import ConfigError, ECLoadFailure, LoadFailureReason, TransportError
 from common.metrics import PrefillMetrics
 from common.wire import pb2
 from prefill_client.consumer.client import PulledItem
-from prefill_client.handoff import Placement
-from prefill_client.handoff import from_params, to_params
+from prefill_client.handoff import (
+    Cancel,
+    Hello,
+    Op,
+    Placement,
+    PullDone,
+    PullFailed,
+    PullOrder,
+    decode_message,
+    encode_message,
+    from_params,
+    to_params,
+)
 
 WIDTH = 192
 
@@ -58,6 +73,99 @@ def test_params_refuse_a_location_of_another_item() -> None:
         from_params(params)
 
 
+# --- the side channel's messages -------------------------------------------------------------
+
+
+def _messages() -> list[Any]:
+    return [Hello(3), Cancel("7"),
+            PullOrder("7", (_placement("a"), _placement("b", rows=6)), {"a": 4, "b": 6}),
+            PullDone("7", 1, ("a", "b"), 2, 4096, 0.25),
+            PullFailed("7", 0, LoadFailureReason.TAG_MISMATCH, "EC load failure (tag_mismatch) for mm_hash a")]
+
+
+def test_side_channel_messages_round_trip_and_are_slotted() -> None:
+    for msg in _messages():
+        back = decode_message(encode_message(msg))
+        assert back == msg and type(back) is type(msg)
+        assert not hasattr(msg, "__dict__"), f"{type(msg).__name__} is not slotted"
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(msg, dataclasses.fields(msg)[0].name, "other")
+    assert [m.op for m in _messages()] == [Op.HELLO, Op.CANCEL, Op.PULL, Op.DONE, Op.FAILED]
+    order = decode_message(encode_message(_messages()[2]))
+    assert isinstance(order, PullOrder)
+    assert [p.mm_hash for p in order.placements] == ["a", "b"]  # in order
+    assert order.placements[1].location == _placement("b", rows=6).location
+    assert order.placements[0].owner == "proxy-7" and dict(order.expect) == {"a": 4, "b": 6}
+
+
+def test_a_pull_order_carries_the_entries_of_ec_transfer_params() -> None:
+    # One codec for a placed item, wherever it travels: nobody reaches into the other's output.
+    placements = (_placement("a"), _placement("b"))
+    wire = json.loads(encode_message(PullOrder("1", placements, {"a": 4, "b": 4})))
+    assert wire["items"] == to_params(placements)["epd_cache"]["items"]
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"{not json", "not JSON"),
+    (b"[1, 2]", "must be an object, got list"),
+    (b'{"op": "launch"}', "unknown op 'launch'"),
+    (b'{"rank": 1}', "unknown op None"),
+    (b'{"op": "hello"}', "hello message: 'rank' must be int, got None"),
+    (b'{"op": "hello", "rank": true}', "'rank' must be int, got True"),
+    (b'{"op": "cancel", "job": 7}', "cancel message: 'job' must be str"),
+    (b'{"op": "pull", "job": "1", "items": [], "expect": {}}', "pull message: 'items' must be dict"),
+    (b'{"op": "pull", "job": "1", "items": {}, "expect": {"a": "4"}}', "expect['a'] must be int"),
+    (b'{"op": "pull", "job": "1", "items": {"a": {"encoder": "e", "incarnation": "i"}}, "expect": {}}',
+     "side-channel pull order item 'a' lacks 'location'"),
+    (b'{"op": "done", "job": "1", "rank": 0, "ok": [1], "pulled": 0, "nbytes": 0, "seconds": 0}',
+     "'ok' must be a list of identifiers"),
+    (b'{"op": "done", "job": "1", "rank": 0, "ok": [], "pulled": 0, "nbytes": 0}', "'seconds' must be float"),
+    (b'{"op": "failed", "job": "1", "rank": 0, "reason": "bad_luck", "why": "x"}', "unknown reason 'bad_luck'"),
+])
+def test_malformed_messages_name_what_is_wrong(data: bytes, words: str) -> None:
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("(", r"\(")):
+        decode_message(data)
+
+
+def test_a_whole_number_of_seconds_is_a_float() -> None:
+    done = decode_message(b'{"op":"done","job":"1","rank":0,"ok":["a"],"pulled":1,"nbytes":8,"seconds":2}')
+    assert isinstance(done, PullDone) and done.seconds == 2.0 and isinstance(done.seconds, float)
+
+
+# --- the failure ladder ----------------------------------------------------------------------
+
+
+def test_the_failure_ladder() -> None:
+    pytest.importorskip("vllm", reason="the connector package imports vLLM")
+    from prefill_client.vllm.items import ShapeProblem, failure_of
+
+    evicted = failure_of(ECLoadFailure(LoadFailureReason.EVICTED, "a", detail="gone"), "pull")
+    assert (evicted.reason, evicted.counted) == (LoadFailureReason.EVICTED, True)  # the client counted it
+    assert evicted.why.startswith("EC load failure (evicted) for mm_hash a")
+    shape = failure_of(ShapeProblem("item a was not delivered"), "pull")
+    assert (shape.reason, shape.why, shape.counted) == (LoadFailureReason.TOKEN_COUNT, "item a was not delivered", False)
+    typed = failure_of(TransportError("peer gone"), "pull")
+    assert (typed.reason, typed.why, typed.counted) == (LoadFailureReason.HANDSHAKE, "TransportError: peer gone", False)
+    config = failure_of(ConfigError("bad entry"), "pull")
+    assert (config.reason, config.why) == (LoadFailureReason.HANDSHAKE, "ConfigError: bad entry")
+    bug = failure_of(KeyError("x"), "pull")
+    assert (bug.reason, bug.why, bug.counted) == (LoadFailureReason.HANDSHAKE, "KeyError: 'x'", False)
+
+
+def test_the_connector_picks_a_pair_for_every_pull_side() -> None:
+    pytest.importorskip("vllm", reason="the connector module imports vLLM")
+    from common.config import PullSide
+    from prefill_client.vllm.connector import PAIRS
+    from prefill_client.vllm.scheduler import SchedulerPulls, WorkerPulls
+    from prefill_client.vllm.worker import ShippedRows, WorkerLoader
+
+    assert set(PAIRS) == set(PullSide)
+    assert PAIRS[PullSide.SCHEDULER].scheduler == SchedulerPulls.start
+    assert PAIRS[PullSide.SCHEDULER].worker == ShippedRows.start
+    assert PAIRS[PullSide.WORKER].scheduler == WorkerPulls.start
+    assert PAIRS[PullSide.WORKER].worker == WorkerLoader.start
+
+
 # --- scheduler side --------------------------------------------------------------------------
 
 
@@ -67,7 +175,7 @@ class FakeClient:
 
     rows: dict[str, int]
     gate: threading.Event = field(default_factory=threading.Event)
-    fail: ECLoadFailure | None = None
+    fail: Exception | None = None
     width: int = WIDTH
     metrics: PrefillMetrics = field(default_factory=PrefillMetrics)
     calls: list[tuple[str, list[str]]] = field(default_factory=list)
@@ -112,9 +220,9 @@ def _request(rid: str, items: Sequence[tuple[str, int]], params: dict[str, Any] 
 
 def _side(client: FakeClient) -> Any:
     pytest.importorskip("vllm", reason="the connector module imports vLLM")
-    from prefill_client.vllm.connector import _SchedulerPulls
+    from prefill_client.vllm.scheduler import SchedulerPulls
 
-    return _SchedulerPulls(client, WIDTH)  # type: ignore[arg-type]
+    return SchedulerPulls(client, WIDTH)  # type: ignore[arg-type]
 
 
 def _until(check: Any, timeout_s: float = 5.0) -> bool:
@@ -139,9 +247,9 @@ def test_available_only_once_the_rows_are_pulled() -> None:
     assert sorted(client.calls) == [("lookup", ["b"]), ("pull_placed", ["a"])]
     side.allocated("a")
     side.allocated("b")
-    rows = side.take_to_load()
+    rows = side.take_step().rows
     assert set(rows) == {"a", "b"} and rows["b"].shape == (6, WIDTH)
-    assert side.take_to_load() == {}
+    assert side.take_step().rows == {}
     side.finished(req)
     assert not side.has("a") and not side.has("b")
     side.close()
@@ -227,6 +335,8 @@ def test_rows_of_the_wrong_shape_fail_the_request() -> None:
     assert not side2.ensure(req, 0)
     assert _until(lambda: (side2.ensure(req, 0), "wide" in side2._unavailable)[1])
     assert "the model expects 192" in side2._unavailable["wide"]
+    assert client.metrics.load_failures.labels(reason="token_count")._value.get() == 1
+    assert wide.metrics.load_failures.labels(reason="token_count")._value.get() == 1
     side.close()
     side2.close()
 
@@ -251,4 +361,62 @@ def test_bad_params_fail_the_request_not_the_engine() -> None:
     req = _request("r1", [("a", 4)], {"epd_cache": {"items": {"a": {"encoder": "e"}}}})
     assert not side.ensure(req, 0)
     assert side.take_unavailable() == {"r1"}
+    side.close()
+
+
+def test_an_unexpected_error_fails_the_request_and_is_counted_as_handshake() -> None:
+    client = FakeClient({"a": 4}, fail=RuntimeError("a bug"))
+    client.gate.set()
+    side = _side(client)
+    req = _request("r1", [("a", 4)], to_params([_placement("a")]))
+    assert not side.ensure(req, 0)
+    assert _until(lambda: (side.ensure(req, 0), "r1" in side._unavailable)[1])
+    assert side._unavailable["r1"] == "RuntimeError: a bug"
+    assert client.metrics.load_failures.labels(reason="handshake")._value.get() == 1
+    assert side.take_unavailable() == {"r1"}
+    side.close()
+
+
+def test_an_ec_load_failure_is_not_counted_twice() -> None:
+    # The client counts its own ECLoadFailure when it raises it (this fake does not): the tracker adds nothing.
+    client = FakeClient({"a": 4}, fail=ECLoadFailure(LoadFailureReason.EVICTED, "a", detail="gone"))
+    client.gate.set()
+    side = _side(client)
+    req = _request("r1", [("a", 4)], to_params([_placement("a")]))
+    assert not side.ensure(req, 0)
+    assert _until(lambda: (side.ensure(req, 0), "r1" in side._unavailable)[1])
+    assert client.metrics.load_failures.labels(reason="evicted")._value.get() == 0
+    side.close()
+
+
+def test_shipped_rows_are_placed_on_the_worker_in_the_model_dtype() -> None:
+    pytest.importorskip("vllm", reason="the connector package imports vLLM")
+    from prefill_client.vllm.items import StepOrders
+    from prefill_client.vllm.worker import ShippedRows
+
+    half = ShippedRows(torch.float16, torch.device("cpu"))
+    kept = torch.zeros(2, WIDTH, dtype=torch.float16)
+    cache: dict[str, torch.Tensor] = {"b": kept}
+    rows = {"a": torch.full((4, WIDTH), 1.5), "b": torch.ones(2, WIDTH)}
+    half.load(StepOrders(rows=rows), cache)
+    assert cache["a"].dtype == torch.float16 and torch.equal(cache["a"], torch.full((4, WIDTH), 1.5, dtype=torch.float16))
+    assert cache["b"] is kept  # already in the cache: left alone
+    half.close()
+
+
+def test_the_step_metadata_is_the_step_orders() -> None:
+    pytest.importorskip("vllm", reason="the connector module imports vLLM")
+    from prefill_client.vllm.connector import EpdCacheConnectorMetadata
+    from prefill_client.vllm.items import StepOrders
+
+    client = FakeClient({"a": 4})
+    client.gate.set()
+    side = _side(client)
+    req = _request("r1", [("a", 4)], to_params([_placement("a")]))
+    assert _until(lambda: side.ensure(req, 0))
+    side.allocated("a")
+    step = side.take_step()
+    meta = EpdCacheConnectorMetadata(place=step.place, drop=step.drop, rows=step.rows)
+    assert isinstance(meta, StepOrders) and meta.place == [] and meta.drop == []
+    assert torch.equal(meta.rows["a"], torch.full((4, WIDTH), 1.0))
     side.close()

@@ -28,7 +28,8 @@ pytest.importorskip("zmq", reason="the connector's channel is ZeroMQ")
 
 from prefill_client.vllm.channel import SchedulerChannel  # noqa: E402
 from prefill_client.vllm.connector import EpdCacheConnectorMetadata  # noqa: E402
-from prefill_client.vllm.worker_pulls import WorkerLoader, WorkerPulls  # noqa: E402
+from prefill_client.vllm.scheduler import WorkerPulls  # noqa: E402
+from prefill_client.vllm.worker import WorkerLoader  # noqa: E402
 
 WIDTH = 48
 
@@ -46,7 +47,7 @@ class RankClient:
 
     rows: dict[str, int]
     gate: threading.Event = field(default_factory=threading.Event)
-    fail: ECLoadFailure | None = None
+    fail: Exception | None = None
     width: int = WIDTH
     pulls: list[list[str]] = field(default_factory=list)
     kept: list[bool] = field(default_factory=list)
@@ -69,6 +70,7 @@ class TrackerClient:
     """The scheduler's client: lookups of known hashes; records every lease given back."""
 
     known: set[str] = field(default_factory=set)
+    fail: Exception | None = None  # raised by every lookup instead
     rpc_timeout_s: float = 3.0
     pull_timeout_s: float = 2.0
     metrics: PrefillMetrics = field(default_factory=PrefillMetrics)
@@ -76,6 +78,8 @@ class TrackerClient:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def locate(self, hashes: Sequence[str]) -> list[Placement]:
+        if self.fail is not None:
+            raise self.fail
         gone = [h for h in hashes if h not in self.known]
         if gone:
             raise ECLoadFailure(LoadFailureReason.EVICTED, gone[0], detail="not on the encoder")
@@ -160,14 +164,14 @@ def test_available_only_once_every_rank_holds_the_rows(tmp_path: Path, engines: 
     assert _until(lambda: sorted(e.tracker.released) == ["a", "b"])
     for ident in ("a", "b"):
         e.side.allocated(ident)
-    orders = e.side.take_orders()
+    orders = e.side.take_step()
     assert orders.place == ["a", "b"]
     for loader in e.loaders:  # each rank puts its own rows into its own encoder cache
         cache: dict[str, torch.Tensor] = {}
         loader.place(orders.place, cache)
         assert cache["a"].shape == (4, WIDTH) and cache["b"].shape == (6, WIDTH)
     e.side.finished(req)
-    drops = e.side.take_orders().drop
+    drops = e.side.take_step().drop
     assert sorted(i for i, _ in drops) == ["a", "b"]
     for loader in e.loaders:
         loader.drop(drops)
@@ -246,9 +250,9 @@ def test_an_item_another_request_pulls_is_not_pulled_twice(tmp_path: Path, engin
     assert _until(lambda: e.side.ensure(r1, 0) and e.side.ensure(r2, 0))
     assert all(r.pulls == [["a"]] for r in e.ranks)
     e.side.finished(r1)
-    assert e.side.has("a") and e.side.take_orders().drop == []  # r2 still needs the rows
+    assert e.side.has("a") and e.side.take_step().drop == []  # r2 still needs the rows
     e.side.finished(r2)
-    assert [i for i, _ in e.side.take_orders().drop] == ["a"]
+    assert [i for i, _ in e.side.take_step().drop] == ["a"]
 
 
 def test_a_full_landing_pool_defers_the_next_pull(tmp_path: Path, engines: list[Engine]) -> None:
@@ -274,13 +278,13 @@ def test_an_old_drop_never_removes_newer_rows(tmp_path: Path, engines: list[Engi
     r1 = _request("r1", [("a", 4)], params)
     assert _until(lambda: e.side.ensure(r1, 0))
     e.side.finished(r1)
-    stale = e.side.take_orders().drop  # not yet delivered: no step ran
+    stale = e.side.take_step().drop  # not yet delivered: no step ran
     r2 = _request("r2", [("a", 4)], params)
     assert _until(lambda: e.side.ensure(r2, 0))  # pulled again, by a new job
     e.side.allocated("a")
     e.loaders[0].drop(stale)
     cache: dict[str, torch.Tensor] = {}
-    e.loaders[0].place(e.side.take_orders().place, cache)
+    e.loaders[0].place(e.side.take_step().place, cache)
     assert "a" in cache
 
 
@@ -300,7 +304,7 @@ def test_a_rank_that_never_reports_fails_the_request_at_the_deadline(tmp_path: P
 
 
 def test_workers_that_never_join_fail_requests_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import prefill_client.vllm.worker_pulls as wp
+    import prefill_client.vllm.scheduler as wp
 
     monkeypatch.setattr(wp, "WORKER_JOIN_TIMEOUT_S", 0.2)
     side = WorkerPulls(TrackerClient({"a"}), SchedulerChannel(f"ipc://{tmp_path}/ch", 2), 256)  # type: ignore[arg-type]
@@ -323,7 +327,7 @@ def test_the_metadata_of_a_step_that_loads_30_images_is_small(tmp_path: Path, en
     assert _until(lambda: e.side.ensure(req, 0))
     for h, _ in items:
         e.side.allocated(h)
-    orders = e.side.take_orders()
+    orders = e.side.take_step()
     meta = EpdCacheConnectorMetadata(place=orders.place, drop=orders.drop)
     size = len(pickle.dumps(meta))
     assert len(meta.place) == 30 and not meta.rows
@@ -332,3 +336,48 @@ def test_the_metadata_of_a_step_that_loads_30_images_is_small(tmp_path: Path, en
     rows = EpdCacheConnectorMetadata(rows={h: torch.zeros(n, WIDTH) for h, n in items})
     assert len(pickle.dumps(rows)) > 30 * 256 * WIDTH * 4
     print(f"metadata of a step placing 30 images: {size} bytes (rows path: {len(pickle.dumps(rows))})")
+
+
+def test_an_unexpected_error_on_a_rank_fails_the_request_and_is_counted_as_handshake(
+        tmp_path: Path, engines: list[Engine]) -> None:
+    e = _engine(tmp_path, {"a": 4})
+    engines.append(e)
+    e.ranks[1].fail = RuntimeError("a bug on rank 1")
+    req = _request("r1", [("a", 4)], to_params([_placement("a", 4)]))
+    assert not e.side.ensure(req, 0)
+    e.open_all()
+    assert _until(lambda: "r1" in e.side.take_unavailable())
+    assert e.tracker.metrics.load_failures.labels(reason="handshake")._value.get() == 1
+    assert _until(lambda: e.tracker.released == ["a"])
+    assert _until(lambda: e.loaders[0].landed == 0), "rank 0 kept rows of a failed pull"
+
+
+def test_an_unexpected_error_of_a_lookup_is_counted_as_handshake(tmp_path: Path, engines: list[Engine]) -> None:
+    e = _engine(tmp_path, {"a": 4})
+    engines.append(e)
+    e.tracker.fail = RuntimeError("a bug in the lookup")
+    assert not e.side.ensure(_request("r1", [("a", 4)]), 0)
+    assert _until(lambda: "r1" in e.side.take_unavailable())
+    assert e.tracker.metrics.load_failures.labels(reason="handshake")._value.get() == 1
+    assert all(r.pulls == [] for r in e.ranks)
+
+
+def test_a_step_s_orders_place_then_drop_on_each_rank(tmp_path: Path, engines: list[Engine]) -> None:
+    from prefill_client.vllm.items import StepOrders
+
+    e = _engine(tmp_path, {"a": 4, "b": 4}, ranks=1)
+    engines.append(e)
+    e.open_all()
+    r1 = _request("r1", [("a", 4)], to_params([_placement("a", 4)]))
+    r2 = _request("r2", [("b", 4)], to_params([_placement("b", 4)]))
+    assert _until(lambda: e.side.ensure(r1, 0) and e.side.ensure(r2, 0))
+    e.side.allocated("a")
+    e.side.finished(r2)
+    step = e.side.take_step()
+    assert step.place == ["a"] and [i for i, _ in step.drop] == ["b"] and step.rows == {}
+    cache: dict[str, torch.Tensor] = {}
+    e.loaders[0].load(step, cache)
+    assert list(cache) == ["a"] and torch.equal(cache["a"], torch.ones(4, WIDTH))
+    assert e.loaders[0].landed == 1  # a stays until dropped; b is gone
+    e.loaders[0].load(StepOrders(), cache)
+    assert e.loaders[0].landed == 1
