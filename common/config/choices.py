@@ -63,6 +63,11 @@ class TowerChoice(Choice):
     QWEN3VL = "qwen3vl"
     VLLM = "vllm"
 
+    @property
+    def needs_checkpoint(self) -> bool:
+        """It has no random tower to run without ``--weights``: vLLM builds the checkpoint's model."""
+        return self is TowerChoice.VLLM
+
 
 class TowerDtype(Choice):
     AUTO = "auto"  # the tower's own default

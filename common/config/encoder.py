@@ -107,7 +107,7 @@ class EncoderServerConfig:
         require(0 <= self.port < 65536, "port", self.port, "must be in 0..65535")
         require(-1 <= self.metrics_port < 65536, "metrics_port", self.metrics_port, "must be in -1..65535")
         require(-1 <= self.health_port < 65536, "health_port", self.health_port, "must be in -1..65535")
-        require(self.tower is not TowerChoice.VLLM or self.weights is not None, "tower", self.tower.value,
+        require(not self.tower.needs_checkpoint or self.weights is not None, "tower", self.tower.value,
                 "needs --weights (the checkpoint vLLM loads)")
         require(self.input_cache_bytes >= 0, "input_cache_bytes", self.input_cache_bytes, "must be >= 0")
         if self.encoder_buckets is not None:

@@ -42,7 +42,8 @@ def load(cfg: EncoderServerConfig) -> LoadedTower:
         # The attention kernel before the graphs: a first build takes about a minute, and
         # with --attention-kernel native a failure ends the start here.
         native.configure(cfg.attention_kernel, cfg.compile_cache_dir)
-        native.prepare()
+        if torch.device(cfg.device).type == "cpu":  # the kernel runs on host tensors only
+            native.prepare()
         logger.info("encoder attention: %s", native.describe(vision.head_dim, cfg.device, encoder.dtype))
         return EncoderRunner(encoder, block_size=block_size, buckets=cfg.encoder_buckets,
                              backend=cfg.encoder_backend.value)

@@ -33,6 +33,7 @@ import torch
 from PIL import Image
 
 from common.config import EncoderServerConfig, TowerChoice
+from common.device import settle
 from common.errors import ConfigError, InvalidMediaError
 from common.layout import parse_dtype
 from common.media import PreprocessParams
@@ -254,6 +255,7 @@ class VllmRunner:
         flat = buffer.view(num_blocks * block_size, width)
         for rows, dest in zip(self.tower.embed(items), dests, strict=True):
             flat.index_copy_(0, dest.to(buffer.device), rows.to(device=buffer.device, dtype=buffer.dtype))
+        settle(buffer.device)  # written means on the device: the answer naming these blocks goes out next
         return buffer
 
     def warmup(self, buffer: torch.Tensor, scratch_block_id: int,

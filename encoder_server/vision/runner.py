@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from common.device import settle
 from common.errors import ConfigError
 from encoder_server.preprocess import ProcessedItem
 from encoder_server.vision.backends import LaunchInputs, Layout, make_backend, padded_tokens
@@ -199,6 +200,7 @@ class EncoderRunner:
             if result.data_ptr() != buffer.data_ptr():
                 raise RuntimeError(f"backend {self.backend} returned a tensor that is not the cache buffer")
             logger.debug("launch %s: %d real tokens of %d", launch.shape, launch.real_tokens, launch.shape.tokens)
+        settle(buffer.device)  # written means on the device: the answer naming these blocks goes out next
         return buffer
 
     def warmup(self, buffer: torch.Tensor, scratch_block_id: int,

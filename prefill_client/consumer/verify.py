@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from common.device import settle
 from common.errors import ECLoadFailure, LoadFailureReason
 from common.fingerprint import cached_fingerprint as fingerprint_of
 from common.wire import pb2
@@ -110,6 +111,7 @@ def gather_batch(landing: torch.Tensor, local_ids: np.ndarray, locs: Sequence[pb
     starts = np.repeat(np.cumsum(tpb) - tpb, tpb)  # first output row of each row's block
     rows = np.repeat(local_ids.astype(np.int64) * block_size, tpb) + (np.arange(total) - starts)
     flat = landing.view(-1, landing.shape[2]).index_select(0, torch.from_numpy(rows).to(landing.device))
+    settle(landing.device)  # the landing blocks go back next, and the next READ may land in them
     out: list[torch.Tensor] = []
     offset = 0
     for loc in locs:
