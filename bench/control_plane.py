@@ -41,8 +41,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _procs import png, start_encoder, stop  # noqa: E402
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc  # noqa: E402
+from epd_harness.media import image_bytes  # noqa: E402
+from epd_harness.procs import bench_encoder_args, start_encoder, terminate  # noqa: E402
 
 MODEL_ID = "tiny-qwen3-vl"
 READY_TIMEOUT_S = 120.0
@@ -177,7 +178,7 @@ def lookup_target(port: int, items: int, concurrency: int) -> tuple[
     inc = hello.incarnation_id
     resp = stub.Encode(pb2.EncodeRequest(
         model_id=MODEL_ID, consumer_id="bench", incarnation_id=inc,
-        items=[pb2.MediaItem(image=png(seed), uuid=f"img{seed}") for seed in range(items)]),
+        items=[pb2.MediaItem(image=image_bytes(64, 64, seed=seed), uuid=f"img{seed}") for seed in range(items)]),
         timeout=60.0)
     hashes = [r.location.mm_hash for r in resp.results]
     stub.Release(pb2.ReleaseRequest(consumer_id="bench", lease_ids=[r.location.lease_id for r in resp.results]),
@@ -237,8 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     results: dict[str, dict[str, dict[str, float]]] = {"lookup": {}, "echo": {}, "ratio": {}}
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
-        encoder, enc_port, transport = start_encoder(
-            Path(tmp), args.transport, blocks=args.items + 4, ready_timeout_s=READY_TIMEOUT_S)
+        encoder = start_encoder(Path(tmp), *bench_encoder_args(args.transport, args.items + 4))
+        enc_port, transport = encoder.port, encoder.transport
         echo, echo_port = start_echo()
         print(f"encoder transport {transport}, {args.items} cached items, {args.seconds} s per target and "
               f"concurrency, rounds of {args.round_s} s", flush=True)
@@ -263,8 +264,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"p99 {echo_r['p99_ms']:.3f} ms {echo_r['calls_per_s']:.0f} calls/s | "
                       f"ratio {results['ratio'][key]}", flush=True)
         finally:
-            stop(echo)
-            stop(encoder)
+            terminate(echo)
+            encoder.terminate()
     print(json.dumps(results))
 
 

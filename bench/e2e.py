@@ -46,9 +46,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _procs import png, start_encoder, stop  # noqa: E402
 from common.config import PrefillConfig  # noqa: E402
 from common.metrics import PrefillMetrics  # noqa: E402
+from epd_harness.media import image_bytes  # noqa: E402
+from epd_harness.procs import bench_encoder_args, start_encoder  # noqa: E402
 from prefill_client.reference.chat import ChatRequest, MediaItem  # noqa: E402
 from prefill_client.reference.cli import build_worker  # noqa: E402
 from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
@@ -56,7 +57,6 @@ from prefill_client.consumer.connection import MediaSpec  # noqa: E402
 from prefill_client.reference.worker import PrefillWorker  # noqa: E402
 
 MODEL_ID = "tiny-qwen3-vl"
-READY_TIMEOUT_S = 180.0
 PHASE_TIMEOUT_S = 600.0
 EXPECTED_LAYER = {"miss": "encoder-miss", "hit": "encoder-hit"}
 
@@ -81,7 +81,7 @@ class Images:
         self._next = 0
 
     def take(self, n: int) -> list[bytes]:
-        out = [png(1000 + self._next + i, self.size) for i in range(n)]
+        out = [image_bytes(self.size, self.size, seed=1000 + self._next + i) for i in range(n)]
         self._next += n
         return out
 
@@ -188,9 +188,8 @@ def main(argv: list[str] | None = None) -> None:
         "ttft_ms": {}, "requests_per_s": {},
     }
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
-        encoder, port, transport = start_encoder(
-            Path(tmp), args.transport, blocks=num_images * blocks_per_image + 8, ready_timeout_s=READY_TIMEOUT_S)
-        target = f"127.0.0.1:{port}"
+        encoder = start_encoder(Path(tmp), *bench_encoder_args(args.transport, num_images * blocks_per_image + 8))
+        target, transport = encoder.target, encoder.transport
         out["transport"] = transport
         try:
             for c in levels:
@@ -201,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"({rate['miss']:.1f} req/s) | hit ttft p50 {ttft['hit']['p50']:.1f} ms "
                       f"p90 {ttft['hit']['p90']:.1f} ms ({rate['hit']:.1f} req/s)", flush=True)
         finally:
-            stop(encoder)
+            encoder.terminate()
     print(json.dumps(out))
 
 

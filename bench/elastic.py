@@ -34,14 +34,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _procs import png, start_encoder, stop  # noqa: E402
-
+from epd_harness.media import image_bytes  # noqa: E402
+from epd_harness.procs import bench_encoder_args, start_encoder  # noqa: E402
 from prefill_client.consumer.client import EncoderCacheClient, PulledItem  # noqa: E402
 from prefill_client.consumer.connection import MediaSpec  # noqa: E402
 
-READY_TIMEOUT_S = 120.0
 MODEL = "tiny-qwen3-vl"
 USE_TIMEOUT_S = 60.0
 
@@ -64,16 +62,15 @@ def hit_rate(items: list[PulledItem]) -> float:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
-    images = [png(9000 + i, size=64 + 16 * (i % 4)) for i in range(args.items)]
+    images = [image_bytes(64 + 16 * (i % 4), 64 + 16 * (i % 4), seed=9000 + i) for i in range(args.items)]
     blocks = 4 * args.items + 2
     encoders = []
     try:
         for i in range(4):
             (workdir / f"enc{i}").mkdir()
         for i in range(3):
-            encoders.append(start_encoder(workdir / f"enc{i}", args.transport, blocks,
-                                          ready_timeout_s=READY_TIMEOUT_S))
-        targets = [f"127.0.0.1:{port}" for _, port, _ in encoders]
+            encoders.append(start_encoder(workdir / f"enc{i}", *bench_encoder_args(args.transport, blocks)))
+        targets = [e.target for e in encoders]
         listing = workdir / "encoders.txt"
         listing.write_text("\n".join(targets) + "\n")
         first: dict[int, torch.Tensor] = {}
@@ -81,8 +78,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
                                 membership_refresh_s=args.refresh_s) as client:
             one_round(client, images, first)  # misses: every item encoded once
             before = one_round(client, images, first)
-            encoders.append(start_encoder(workdir / "enc3", args.transport, blocks, ready_timeout_s=READY_TIMEOUT_S))
-            new = f"127.0.0.1:{encoders[-1][1]}"
+            encoders.append(start_encoder(workdir / "enc3", *bench_encoder_args(args.transport, blocks)))
+            new = encoders[-1].target
             listing.write_text("\n".join([*targets, new]) + "\n")
             listed = time.monotonic()
             # Steady load goes on; each item's first request once the client knows the new encoder
@@ -104,10 +101,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
             moved = sum(item.encoder == new for item in after.values())
             assert used_after is not None
     finally:
-        for proc, _, _ in encoders:
-            stop(proc)
+        for encoder in encoders:
+            encoder.terminate()
     return {
-        "transport": encoders[0][2] if encoders else args.transport,
+        "transport": encoders[0].transport if encoders else args.transport,
         "items": args.items,
         "refresh_s": args.refresh_s,
         "hit_rate_before": hit_rate(before),

@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.malloc import keep_freed_memory  # noqa: E402
 from encoder_server.preprocess import PreprocessConfig, Preprocessor, ProcessedItem  # noqa: E402
 from encoder_server.vision import EncoderRunner, VisionEncoder, default_tokens_per_block, load_encoder  # noqa: E402
-from tests.support.media import image_bytes  # noqa: E402
+from epd_harness.media import image_bytes  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -43,16 +43,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _procs import png, start_encoder, stop  # noqa: E402
 from pull_throughput import BareReader, timed  # noqa: E402
 
 from common.malloc import keep_freed_memory  # noqa: E402
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc  # noqa: E402
+from epd_harness.media import image_bytes  # noqa: E402
+from epd_harness.procs import bench_encoder_args, start_encoder  # noqa: E402
 from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
 from prefill_client.consumer.connection import MediaSpec, encode_request_bytes  # noqa: E402
 
 MODEL_ID = "tiny-qwen3-vl"
-READY_TIMEOUT_S = 180.0
 RPC_TIMEOUT_S = 30.0
 MESSAGE_LIMIT = 64 << 20
 ECHO_METHOD = "/epd.bench.Echo/Send"
@@ -84,16 +84,16 @@ def median_ms(samples: list[float]) -> float:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
-    images = [png(7000 + i, size=args.size) for i in range(args.items)]
+    images = [image_bytes(args.size, args.size, seed=7000 + i) for i in range(args.items)]
     tokens = (args.size // 32) ** 2
     blocks = args.items * -(-tokens // args.block_size) + 2
     encoder_args, echo_args = ((), ()) if args.keep_freed_memory else (
         ("--keep-freed-memory", "false"), ("--no-keep-freed-memory",))
-    encoder, port, transport = start_encoder(workdir, args.transport, blocks, ready_timeout_s=READY_TIMEOUT_S,
-                                             block_size=args.block_size, extra_args=encoder_args)
+    encoder = start_encoder(workdir, *bench_encoder_args(args.transport, blocks, args.block_size), *encoder_args)
+    transport = encoder.transport
     echo = subprocess.Popen([sys.executable, __file__, "--serve-echo", *echo_args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
-    target = f"127.0.0.1:{port}"
+    target = encoder.target
     try:
         echo_port = int(echo.stdout.readline()) if echo.stdout else 0
         client = EncoderCacheClient(target, MODEL_ID, transport_kind=transport, local_cache_blocks=0,
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         if echo.stdin:
             echo.stdin.close()
         echo.wait(30)
-        stop(encoder)
+        encoder.terminate()
     ms = {key: median_ms(values) for key, values in samples.items()}
     floor = round(ms["lookup_rpc"] + ms["bare_read"], 3)
     return {

@@ -55,16 +55,16 @@ from common.transport import PostInfo, resolve_transport_kind  # noqa: E402
 from common.wire import SERVICE_NAME, pb2, pb2_grpc  # noqa: E402
 from encoder_server.preprocess import PreprocessConfig, Preprocessor  # noqa: E402
 from encoder_server.vision import load_encoder  # noqa: E402
+from epd_harness.ports import free_port  # noqa: E402
+from epd_harness.procs import EncoderLaunch, bench_encoder_args, launch_encoder  # noqa: E402
 from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
 from prefill_client.consumer.connection import MediaSpec, content_key  # noqa: E402
-from epd_harness.ports import free_port  # noqa: E402
 
 logger = logging.getLogger("soak")
 
 MODEL = "tiny-qwen3-vl"
 LEASE_TTL_MS = 2000
 FREEZE_S = 1.5
-READY_TIMEOUT_S = 120.0
 # The restart is the slowest fault: first, so even a short run sees the encoder come back.
 FAULTS = ("kill", "freeze", "garbage", "leak", "reuse")
 
@@ -85,7 +85,7 @@ class Encoder:
         self.transport, self.workdir = transport, workdir
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
-        self._ready = workdir / "encoder.ready.json"
+        self._launch: EncoderLaunch | None = None
 
     @property
     def target(self) -> str:
@@ -97,23 +97,13 @@ class Encoder:
 
     def launch(self) -> None:
         self.starts += 1
-        self._ready = ready = self.workdir / f"encoder-{self.starts}.ready.json"
-        cmd = [sys.executable, "-m", "common.cli", "encoder", "--host", "127.0.0.1", "--port", str(self.port),
-               "--metrics-port", "-1", "--ready-file", str(ready), "--transport", self.transport,
-               "--encoder-backend", "eager", "--cache-blocks", "12", "--block-size", "64",
-               "--lease-ttl-ms", str(LEASE_TTL_MS), "--log-level", "WARNING"]
-        with open(self.workdir / f"encoder-{self.starts}.log", "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=Path(__file__).resolve().parents[1])
+        self._launch = launch_encoder(self.workdir, *bench_encoder_args(self.transport, 12), "--port", str(self.port),
+                                      "--lease-ttl-ms", str(LEASE_TTL_MS), name=f"encoder-{self.starts}")
+        self.proc = self._launch.proc
 
     def wait_ready(self) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self._ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"encoder did not start; see {self.workdir}")
-            time.sleep(0.05)
+        assert self._launch is not None
+        self._launch.wait()
 
     def signal(self, sig: signal.Signals) -> None:
         if self.proc is not None and self.proc.poll() is None:

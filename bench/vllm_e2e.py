@@ -40,20 +40,21 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
-from prefill_client.consumer.connection import MediaSpec  # noqa: E402
-from tests.support.procs import start_encoder  # noqa: E402
-from tests.support.qwen3vl import write_qwen3vl_checkpoint  # noqa: E402
-from tests.support.vllm_stack import (  # noqa: E402
+from epd_harness.media import image_url  # noqa: E402
+from epd_harness.procs import start_encoder  # noqa: E402
+from epd_harness.qwen3vl import write_qwen3vl_checkpoint  # noqa: E402
+from epd_harness.vllm import (  # noqa: E402
+    PIL_IMAGE_PROCESSOR,
     chat_body,
-    connector_config,
-    image_url,
-    launch_vllm,
+    launch_baseline,
+    launch_consumer,
     start_proxy,
     stop_vllm,
     vllm_missing,
     wait_vllm,
 )
+from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
+from prefill_client.consumer.connection import MediaSpec  # noqa: E402
 
 MODEL = "tiny-qwen3-vl"
 
@@ -122,19 +123,16 @@ def main() -> None:
         tmp = Path(tmp_name)
         checkpoint = write_qwen3vl_checkpoint(tmp / "checkpoint", seed=7)
         encoder = start_encoder(tmp, "--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL)
-        plain = launch_vllm(checkpoint, tmp / "plain.log", "--served-model-name", MODEL,
-                            "--mm-processor-kwargs", json.dumps({"use_fast": False}), cpu_core=0)
+        plain = launch_baseline(checkpoint, tmp / "plain.log", MODEL, *PIL_IMAGE_PROCESSOR)
         try:
             wait_vllm(plain)
             for i in range(3):
                 warm_up(plain.url, image_url(10_000 + i, side, side), args.max_tokens)
             # One consumer at a time on the other core: two would share it and each slow the other.
             for k, path in enumerate(paths):
-                consumer = launch_vllm(checkpoint, tmp / f"consumer-{path}.log", "--served-model-name", MODEL,
-                                       "--ec-transfer-config",
-                                       connector_config([encoder.target], MODEL, metrics_port=-1, pull_on=path,
-                                                        pull_timeout_s=args.pull_timeout_s),
-                                       cpu_core=1, tensor_parallel=args.tp)
+                consumer = launch_consumer(checkpoint, tmp / f"consumer-{path}.log", MODEL, [encoder.target],
+                                           tensor_parallel=args.tp, metrics_port=-1, pull_on=path,
+                                           pull_timeout_s=args.pull_timeout_s)
                 proxy = None
                 try:
                     wait_vllm(consumer)

@@ -29,19 +29,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.vllm_e2e import summary, ttft_ms  # noqa: E402
+from epd_harness.families import FAMILIES  # noqa: E402
+from epd_harness.media import image_url  # noqa: E402
+from epd_harness.vllm import start_tower_stack, vllm_missing  # noqa: E402
 from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
 from prefill_client.consumer.connection import MediaSpec  # noqa: E402
-from tests.support.families import FAMILIES  # noqa: E402
-from tests.support.qwen3vl import write_qwen3vl_checkpoint  # noqa: E402
-from tests.support.vllm_stack import image_url, start_tower_stack, vllm_missing  # noqa: E402
-
-WRITERS = {"qwen3_vl": write_qwen3vl_checkpoint, **FAMILIES}
 
 
 def measure(family: str, requests: int, side: int, max_tokens: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        checkpoint = WRITERS[family](tmp / "checkpoint", 3)
+        checkpoint = FAMILIES[family](tmp / "checkpoint", 3)
         stack = start_tower_stack(tmp, family, checkpoint, checkpoint)
         try:
             def ttft(base_url: str, url: str) -> float:
@@ -70,8 +68,8 @@ def measure(family: str, requests: int, side: int, max_tokens: int) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--families", default=",".join(sorted(WRITERS)),
-                        help=f"comma-separated, of {', '.join(sorted(WRITERS))}")
+    parser.add_argument("--families", default=",".join(sorted(FAMILIES)),
+                        help=f"comma-separated, of {', '.join(sorted(FAMILIES))}")
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--side", type=int, default=384)
     parser.add_argument("--max-tokens", type=int, default=2)
@@ -80,9 +78,9 @@ def main() -> None:
     if reason:
         raise SystemExit(reason)
     names = [n.strip() for n in args.families.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(WRITERS))
+    unknown = sorted(set(names) - set(FAMILIES))
     if unknown:
-        raise SystemExit(f"unknown families {unknown}; known: {sorted(WRITERS)}")
+        raise SystemExit(f"unknown families {unknown}; known: {sorted(FAMILIES)}")
     out: dict[str, Any] = {}
     for family in names:
         out[family] = measure(family, args.requests, args.side, args.max_tokens)

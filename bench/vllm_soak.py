@@ -35,7 +35,6 @@ import collections
 import json
 import os
 import random
-import signal
 import sys
 import tempfile
 import threading
@@ -49,22 +48,21 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from epd_harness.families import noise_vision_copy  # noqa: E402
+from epd_harness.media import image_url, video_url  # noqa: E402
+from epd_harness.procs import SoakEncoder  # noqa: E402
+from epd_harness.qwen3vl import write_qwen3vl_checkpoint  # noqa: E402
+from epd_harness.vllm import (  # noqa: E402
+    PIL_IMAGE_PROCESSOR,
+    Server,
+    VllmPair,
+    chat_body,
+    start_pair,
+    start_proxy,
+    vllm_missing,
+)
 from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
 from prefill_client.consumer.connection import MediaSpec  # noqa: E402
-from tests.support.procs import EncoderProcess, start_encoder  # noqa: E402
-from tests.support.qwen3vl import noise_vision_copy, write_qwen3vl_checkpoint  # noqa: E402
-from tests.support.vllm_stack import (  # noqa: E402
-    Server,
-    chat_body,
-    connector_config,
-    image_url,
-    launch_vllm,
-    start_proxy,
-    stop_vllm,
-    video_url,
-    vllm_missing,
-    wait_vllm,
-)
 
 MODEL = "tiny-qwen3-vl"
 FAULTS = ("disconnect", "evict", "freeze", "kill")  # the slow one (a restart) last
@@ -77,41 +75,6 @@ FAILURE_KINDS = (
     ("pull_failed", "still on their encoders"), ("backend_failed", "failed the request"),
     ("no_backend", "no backend reachable"),
 )
-
-
-@dataclass
-class SoakEncoder:
-    """An encoder on a fixed port that the soak kills, freezes and starts again."""
-
-    tmp: Path
-    args: tuple[str, ...]
-    name: str
-    proc: EncoderProcess
-    restarts: int = 0
-
-    @classmethod
-    def start(cls, tmp: Path, name: str, *args: str) -> SoakEncoder:
-        proc = start_encoder(tmp, *args, name=name)
-        return cls(tmp, (*args, "--port", str(proc.port)), name, proc)
-
-    @property
-    def target(self) -> str:
-        return self.proc.target
-
-    def kill_and_restart(self) -> None:
-        self.proc.kill()
-        self.restarts += 1
-        self.proc = start_encoder(self.tmp, *self.args, name=f"{self.name}-{self.restarts}")
-
-    def freeze(self, seconds: float) -> None:
-        os.kill(self.proc.proc.pid, signal.SIGSTOP)
-        try:
-            time.sleep(seconds)
-        finally:
-            os.kill(self.proc.proc.pid, signal.SIGCONT)
-
-    def terminate(self) -> None:
-        self.proc.terminate()
 
 
 @dataclass
@@ -323,24 +286,21 @@ def main() -> None:
                     "--lease-ttl-ms", "1500", "--cache-blocks", "64")
         encoders = [SoakEncoder.start(tmp, f"encoder-{i}", *enc_args) for i in range(2)]
         targets = [e.target for e in encoders]
-        plain = launch_vllm(checkpoint, tmp / "plain.log", "--served-model-name", MODEL,
-                            "--mm-processor-kwargs", json.dumps({"use_fast": False}), cpu_core=0)
-        consumer = launch_vllm(noise, tmp / "consumer.log", "--served-model-name", MODEL, "--ec-transfer-config",
-                               connector_config(targets, MODEL, metrics_port=-1, pull_timeout_s=2.0,
-                                                rpc_timeout_s=3.0), cpu_core=1, tensor_parallel=args.tp)
+        pair: VllmPair | None = None
         proxy = None
         try:
-            wait_vllm(plain)
-            wait_vllm(consumer)
-            proxy = start_proxy(tmp / "proxy.log", targets, [consumer.url], "--model-id", MODEL, "--rpc-timeout-s", "3")
-            report = run_soak(proxy_url=proxy.url, reference_url=plain.url, consumer=consumer, encoders=encoders,
-                              seconds=args.seconds, clients=args.clients, fault_every_s=args.fault_every_s,
-                              seed=args.seed)
+            pair = start_pair(tmp, MODEL, checkpoint, noise, targets, baseline_args=PIL_IMAGE_PROCESSOR,
+                              tensor_parallel=args.tp, metrics_port=-1, pull_timeout_s=2.0, rpc_timeout_s=3.0)
+            proxy = start_proxy(tmp / "proxy.log", targets, [pair.consumer.url], "--model-id", MODEL,
+                                "--rpc-timeout-s", "3")
+            report = run_soak(proxy_url=proxy.url, reference_url=pair.baseline.url, consumer=pair.consumer,
+                              encoders=encoders, seconds=args.seconds, clients=args.clients,
+                              fault_every_s=args.fault_every_s, seed=args.seed)
         finally:
             if proxy is not None:
                 proxy.stop()
-            stop_vllm(consumer)
-            stop_vllm(plain)
+            if pair is not None:
+                pair.stop()
             for e in encoders:
                 e.terminate()
     report["tensor_parallel"] = args.tp

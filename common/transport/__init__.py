@@ -4,6 +4,7 @@ Reading path: :mod:`.binding` (the only NIXL import, states, error mapping,
 agent creation) -> :mod:`.regions` (regions as plain numbers, descriptors)
 -> :mod:`.producer` (encoder side) -> :mod:`.consumer` and :mod:`.peer`
 (prefill side: handshake to prepped dlists, block READ then tag READ) ->
+:mod:`.handles` (polling, releasing and quarantining posted READs) ->
 :mod:`.landing` (landing blocks, tag slots, the quarantine rule) ->
 :mod:`.notify` (lease releases on the tag READ) -> :mod:`.mock_agent` and
 :mod:`.shm` (the shared-memory stand-in used where NIXL is absent).

@@ -10,6 +10,8 @@ Reads are synchronous and block a thread: call them from a worker thread
 ``*_async`` variants. Every NIXL call holds the consumer's agent lock; the
 waits between polls do not. The deadline is checked between NIXL calls (a
 same-host cross-memory-attach copy inside ``transfer()`` is not interruptible).
+A posted READ's handle is polled, released or quarantined by this peer's
+:class:`~common.transport.handles.TransferHandles`.
 
 Outcomes: :class:`~common.errors.TransferTimeout` when the deadline passes
 (the READ's slots are quarantined, see :mod:`common.transport.landing`);
@@ -32,23 +34,11 @@ import numpy as np
 
 from common.errors import PeerDisconnected, TransferTimeout, TransportError
 from common.transport.binding import AgentLike, TransferState, binding_errors, is_binding_error, translate_error
+from common.transport.handles import TransferHandles
 from common.transport.landing import LandingPool, QuietProbe, SlotPool, checked_ids
 from common.transport.regions import RegionDesc
 
 logger = logging.getLogger(__name__)
-
-# The consumer's agent has no progress thread: these polls drive its UCX
-# worker. Poll back to back for SPIN_S (a same-host READ completes within
-# microseconds), then yield the CPU between polls (measured on 2 cores: a
-# busy poll starves the producer and took a tag READ from 0.1 ms to 11 ms)
-# until YIELD_S, then sleep between polls, backing off to MAX_PAUSE_S.
-SPIN_S = 50e-6
-YIELD_S = 20e-3
-FIRST_PAUSE_S = 100e-6
-MAX_PAUSE_S = 1e-3
-PROBE_LOCK_WAIT_S = 0.05
-# The agent lock is held for single NIXL calls; past this an unposted handle is left unreleased.
-DISCARD_LOCK_WAIT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -106,6 +96,7 @@ class ProducerPeer:
         self._state_lock = threading.Lock()
         self._closed: str | None = None
         self._outstanding = 0  # posted transfers neither finished nor proven quiet
+        self._handles = TransferHandles(side.agent, side.lock, agent_name, self._finished)
 
     def __repr__(self) -> str:
         state = f"closed: {self._closed}" if self._closed else "open"
@@ -225,17 +216,17 @@ class ProducerPeer:
             block, tag, what, state = self._post_pair(local, remote, timeout_s, quarantine)
             if block is not None:  # the block READ is in flight; the tag READ is made, not posted
                 try:
-                    state = self._wait(self._action(what, n), block, time.monotonic() + timeout_s, quarantine)
+                    state = self._handles.wait(self._action(what, n), block, time.monotonic() + timeout_s, quarantine)
                 except BaseException:
-                    self._discard(tag)
+                    self._handles.discard(tag)
                     raise
                 if state is TransferState.DONE:
                     self._read("tag READ", side.tags_dlist, local, self._tags_dlist, remote, b"",
                                time.monotonic() + timeout_s, quarantine, tag)
                 else:
-                    self._discard(tag)
+                    self._handles.discard(tag)
             elif tag is not None:  # the block READ completed at post; the tag READ is in flight
-                state = self._wait(self._action(what, n), tag, time.monotonic() + timeout_s, quarantine)
+                state = self._handles.wait(self._action(what, n), tag, time.monotonic() + timeout_s, quarantine)
         except PeerDisconnected as exc:
             self._teardown(f"disconnected: {exc}")
             raise
@@ -253,7 +244,7 @@ class ProducerPeer:
     ) -> tuple[np.ndarray, np.ndarray]:
         return await asyncio.to_thread(self.read_tags, remote_ids, deadline, notif)
 
-    # --- the transfer loop ---------------------------------------------------------------------
+    # --- making and posting READs (TransferHandles waits for and releases what is posted) ------
 
     def _read(
         self,
@@ -273,7 +264,7 @@ class ProducerPeer:
             handle, state = self._post(action, local_dlist, local_idx, remote_dlist, remote_idx, notif,
                                        deadline, quarantine, prepared)
             if state is TransferState.PROCESSING:
-                state = self._wait(action, handle, deadline, quarantine)
+                state = self._handles.wait(action, handle, deadline, quarantine)
         except PeerDisconnected as exc:
             self._teardown(f"disconnected: {exc}")
             raise
@@ -297,7 +288,7 @@ class ProducerPeer:
         side = self._side
         if not side.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             # Nothing was posted: quiet at the next sweep (an unposted handle once it is released).
-            quarantine((lambda: True) if prepared is None else self._release_probe(prepared))
+            quarantine((lambda: True) if prepared is None else self._handles.release_probe(prepared))
             raise TransferTimeout(f"{action}: agent busy past the deadline")
         handle: Any = prepared
         try:
@@ -311,11 +302,11 @@ class ProducerPeer:
                 with self._state_lock:
                     self._outstanding += 1
                 return handle, state
-            self._release_locked(handle)  # finished at post (a same-host copy) or failed
+            self._handles.release_locked(handle)  # finished at post (a same-host copy) or failed
             return None, state
         except BaseException:
             if handle is not None:  # refused at post: nothing is in flight
-                self._release_locked(handle)
+                self._handles.release_locked(handle)
             raise
         finally:
             side.lock.release()
@@ -353,7 +344,7 @@ class ProducerPeer:
                 block = agent.make_prepped_xfer("READ", side.blocks_dlist, local, self._blocks_dlist, remote, b"")
                 state = TransferState.parse(agent.transfer(block))
                 if state is TransferState.DONE:  # complete: its handle can no longer write
-                    self._release_locked(block)
+                    self._handles.release_locked(block)
                     block, what = None, "tag READ"
                     state = TransferState.parse(agent.transfer(tag))
             except Exception as exc:
@@ -373,92 +364,11 @@ class ProducerPeer:
             if not in_flight:
                 for handle in (block, tag):
                     if handle is not None:
-                        self._release_locked(handle)
+                        self._handles.release_locked(handle)
             side.lock.release()
 
     def _action(self, what: str, n: int) -> str:
         return f"{what} of {n} descriptors from {self.agent_name}"
-
-    def _discard(self, handle: Any) -> None:
-        """Release a handle that was made and never posted (it cannot write)."""
-        side = self._side
-        if not side.lock.acquire(timeout=DISCARD_LOCK_WAIT_S):
-            logger.warning("agent of %s busy for %.0f s: an unposted transfer handle is left unreleased",
-                           self.agent_name, DISCARD_LOCK_WAIT_S)
-            return
-        try:
-            self._release_locked(handle)
-        finally:
-            side.lock.release()
-
-    def _release_probe(self, handle: Any) -> QuietProbe:
-        """A quarantine probe for a handle never posted: quiet once the handle is released."""
-        released = False
-
-        def probe() -> bool:
-            nonlocal released
-            if not released and self._side.lock.acquire(timeout=PROBE_LOCK_WAIT_S):
-                try:
-                    self._release_locked(handle)
-                    released = True
-                finally:
-                    self._side.lock.release()
-            return released
-
-        return probe
-
-    def _wait(
-        self, action: str, handle: Any, deadline: float, quarantine: Callable[[QuietProbe], None]
-    ) -> TransferState:
-        """Poll ``handle`` until it finishes (released) or the deadline passes (quarantined)."""
-        side = self._side
-        started = time.monotonic()
-        pause = FIRST_PAUSE_S
-        while True:
-            now = time.monotonic()
-            if now >= deadline:
-                quarantine(self._quiet_probe(handle))  # the probe owns the handle from here
-                raise TransferTimeout(f"{action}: not complete by its deadline ({now - deadline:.3f} s ago)")
-            if now - started < SPIN_S:
-                pass
-            elif now - started < YIELD_S:
-                time.sleep(0)
-            else:
-                time.sleep(min(pause, deadline - now))
-                pause = min(pause * 2, MAX_PAUSE_S)
-            if not side.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                continue
-            try:
-                with binding_errors(action):
-                    state = TransferState.parse(side.agent.check_xfer_state(handle))
-            except PeerDisconnected:
-                self._release_locked(handle)  # a dead endpoint delivers nothing more
-                side.lock.release()
-                self._finished()
-                raise
-            except TransportError:
-                # The state is unknown, so the data may still come: quarantine, do not release.
-                side.lock.release()
-                quarantine(self._quiet_probe(handle))
-                raise
-            except BaseException:
-                side.lock.release()
-                raise
-            if state is TransferState.PROCESSING:
-                side.lock.release()
-                continue
-            self._release_locked(handle)
-            side.lock.release()
-            self._finished()
-            return state
-
-    def _release_locked(self, handle: Any) -> None:
-        """Release a transfer handle that can no longer write (caller holds the agent lock)."""
-        try:
-            with binding_errors("release transfer handle"):
-                self._side.agent.release_xfer_handle(handle)
-        except TransportError as exc:
-            logger.warning("releasing a transfer handle of %s failed: %s", self.agent_name, exc)
 
     def _finished(self) -> None:
         """One outstanding transfer ended; a closed peer with none left lets its agent go."""
@@ -467,37 +377,6 @@ class ProducerPeer:
             drained = self._closed is not None and self._outstanding == 0
         if drained:
             self._side.on_drained(self)
-
-    def _quiet_probe(self, handle: Any) -> QuietProbe:
-        """A proof that the timed-out transfer ``handle`` can no longer write (see landing.py)."""
-        side = self._side
-        proven = False
-
-        def probe() -> bool:
-            nonlocal proven
-            if proven:
-                return True
-            if not side.lock.acquire(timeout=PROBE_LOCK_WAIT_S):
-                return False
-            try:
-                try:
-                    state = TransferState.parse(side.agent.check_xfer_state(handle))
-                except Exception as exc:
-                    if not is_binding_error(exc):
-                        raise
-                    if not isinstance(translate_error(exc, "poll"), PeerDisconnected):
-                        return False  # e.g. the remote agent was removed: no proof either way
-                    state = TransferState.ERROR  # a dead endpoint delivers nothing more
-                if state is TransferState.PROCESSING:
-                    return False
-                self._release_locked(handle)
-                proven = True
-            finally:
-                side.lock.release()
-            self._finished()
-            return True
-
-        return probe
 
     # --- lifecycle -----------------------------------------------------------------------------
 

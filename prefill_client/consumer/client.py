@@ -103,7 +103,6 @@ class EncoderCacheClient:
         self.weights_digest = weights_digest
         self.consumer_id = consumer_id or f"{socket.gethostname()}:{os.getpid()}"
         self.rpc_timeout_s = rpc_timeout_s
-        self.pull_timeout_s = pull_timeout_s
         self.failure_policy = FailurePolicy(failure_policy)
         self.metrics = metrics if metrics is not None else PrefillMetrics()
         self._own_transport = transport is None
@@ -119,6 +118,16 @@ class EncoderCacheClient:
         self._where: dict[str, str] = {}  # mm_hash -> encoder target it was found on
         self._releaser = LeaseReleaser()
         self._puller = Puller(self.transport, self.metrics, pull_timeout_s, self._local, self._releaser, self._where)
+
+    @property
+    def pull_timeout_s(self) -> float:
+        """How long a pull waits for each READ, and for free landing blocks (settable: the pulls
+        that start afterwards use the new value)."""
+        return self._puller.pull_timeout_s
+
+    @pull_timeout_s.setter
+    def pull_timeout_s(self, value: float) -> None:
+        self._puller.pull_timeout_s = value
 
     @classmethod
     def from_config(cls, cfg: PrefillConfig, metrics: PrefillMetrics | None = None, *,

@@ -10,9 +10,9 @@ import pytest
 
 from common.transport import sweep_stale_segments
 from common.wire import pb2, pb2_grpc
+from epd_harness.media import image_bytes
+from epd_harness.procs import EncoderProcess, start_encoder
 from tests.reliability.support import MODEL, occupancy, wait_until
-from tests.support.media import image_bytes
-from tests.support.procs import EncoderProcess, start_encoder
 from tests.transport_params import NIXL_OK
 
 # Real NIXL where it is installed: hostile peers meet the production data path.

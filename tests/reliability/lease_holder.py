@@ -18,8 +18,8 @@ from common.config import TlsConfig
 from common.errors import CacheFullError
 from common.metrics import PrefillMetrics
 from common.transport import ConsumerTransport
+from epd_harness.media import image_bytes
 from prefill_client.consumer.connection import EncoderConnection, MediaSpec
-from tests.support.media import image_bytes
 
 MODEL = "tiny-qwen3-vl"
 

@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import metrics
-from tests.support.procs import EncoderProcess, start_encoder
+from epd_harness.procs import EncoderProcess, start_encoder
 from tests.support.scrape import scrape as shared_scrape
 
 MODEL = "tiny-qwen3-vl"

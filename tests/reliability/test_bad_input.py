@@ -26,10 +26,10 @@ from PIL import Image
 
 from common.transport import ConsumerTransport
 from common.wire import PROTOCOL_VERSION, SERVICE_NAME, pb2
+from epd_harness.media import image_bytes, video_frames
 from prefill_client.consumer.client import EncoderCacheClient
 from tests.reliability.conftest import MAX_ITEMS, MAX_MESSAGE_BYTES, MAX_VIDEO_FRAMES, SharedEncoder
 from tests.reliability.support import MODEL, SERVING, health, occupancy, wait_until
-from tests.support.media import image_bytes, video_frames
 from tests.support.reference import Reference, matches
 
 OK = grpc.StatusCode.OK

@@ -32,6 +32,9 @@ import pytest
 from common import metrics
 from common.errors import ECLoadFailure, LoadFailureReason
 from common.wire import pb2, pb2_grpc
+from epd_harness.media import image_bytes
+from epd_harness.ports import free_port
+from epd_harness.procs import EncoderProcess
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import MediaSpec
 from tests.reliability.support import (
@@ -45,9 +48,6 @@ from tests.reliability.support import (
     thaw,
     wait_until,
 )
-from tests.support.media import image_bytes
-from tests.support.ports import free_port
-from tests.support.procs import EncoderProcess
 from tests.support.reference import Reference, matches
 from tests.transport_params import TRANSPORTS
 

@@ -33,14 +33,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from epd_harness.media import image_bytes
+from epd_harness.procs import EncoderProcess
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import MediaSpec
 from tests.reliability.conftest import SHARED_TRANSPORT
 from tests.reliability.support import MODEL, SERVING, health, occupancy, start_encoder_soon, wait_until
 from tests.support.json_lines import last_json_object
-from tests.support.media import image_bytes
 from tests.support.outcomes import untyped
-from tests.support.procs import EncoderProcess
 from tests.support.reference import matches
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -19,13 +19,13 @@ from collections import Counter
 from pathlib import Path
 
 from common.transport import ConsumerTransport
+from epd_harness.media import image_bytes
+from epd_harness.procs import start_encoder
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import MediaSpec
 from tests.reliability.conftest import SHARED_TRANSPORT
 from tests.reliability.support import MODEL, SERVING, health, occupancy, wait_until
-from tests.support.media import image_bytes
 from tests.support.outcomes import classify, untyped
-from tests.support.procs import start_encoder
 from tests.support.reference import Reference, matches
 
 CLIENTS = 16

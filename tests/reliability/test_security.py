@@ -26,11 +26,11 @@ from common.transport.mock_wire import AgentCard
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc
 from encoder_server.cache_records import Allocation
 from encoder_server.leases import LeaseTable
+from epd_harness.media import image_bytes
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import MediaSpec, content_key
 from tests.reliability.conftest import SharedEncoder
 from tests.reliability.support import MODEL
-from tests.support.media import image_bytes
 from tests.support.reference import Reference, matches
 from tests.transport_params import TRANSPORTS
 

@@ -8,12 +8,12 @@ import torch
 
 from common import media
 from common.media import PreprocessParams
+from epd_harness.media import image_bytes
 from prefill_client.reference.chat import ChatRequest, MediaItem
 from prefill_client.consumer.client import PulledItem
 from prefill_client.consumer.connection import MediaSpec, content_key
 from prefill_client.reference.lm import LMConfig, TinyLM, build_lm
 from prefill_client.reference.worker import WorkerLimits
-from tests.support.media import image_bytes
 
 MODEL_ID = "tiny-qwen3-vl"
 FINGERPRINT = "fake-preprocess-v1"

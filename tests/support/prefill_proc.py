@@ -9,12 +9,14 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-READY_TIMEOUT_S = 60.0
+from epd_harness.waits import wait_ready
+
+# Bounds the whole start; a stalled one fails long before (see epd_harness.waits).
+READY_LIMIT_S = 300.0
 STEP_TIMEOUT_S = 60.0
 _LINE = re.compile(
     r"^request (?P<index>\d+): first_token=(?P<first_token>\d+) .*? ttft_ms=(?P<ttft_ms>[\d.]+) "
@@ -111,13 +113,9 @@ def start_gated_prefill(tmp_path: Path, *args: str, env: dict[str, str] | None =
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                 env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"epd prefill exited with {proc.returncode}:\n{log_path.read_text()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait(10)
-            raise RuntimeError(f"epd prefill not ready in {READY_TIMEOUT_S} s:\n{log_path.read_text()}")
-        time.sleep(0.05)
-    return GatedPrefill(proc, log_path, json.loads(ready.read_text())["metrics_port"])
+
+    def ready_info() -> dict[str, Any] | None:
+        return json.loads(ready.read_text()) if ready.exists() else None
+
+    info = wait_ready("epd prefill", proc, log_path, ready_info, limit_s=READY_LIMIT_S)
+    return GatedPrefill(proc, log_path, info["metrics_port"])

@@ -10,11 +10,11 @@ import pytest
 from common import media
 from common.errors import CacheFullError, ECLoadFailure, InvalidMediaError, LoadFailureReason
 from common.transport import PostInfo
+from epd_harness.media import image_bytes, video_frames
+from epd_harness.ports import free_port
+from epd_harness.procs import start_encoder
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import MediaSpec
-from tests.support.media import image_bytes, video_frames
-from tests.support.ports import free_port
-from tests.support.procs import start_encoder
 from tests.support.reference import Reference, matches
 from tests.transport_params import TRANSPORTS
 

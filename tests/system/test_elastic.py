@@ -21,12 +21,12 @@ import torch
 
 from common.errors import ECLoadFailure, LoadFailureReason
 from common.weights_digest import checkpoint_digest
+from epd_harness.media import image_bytes
+from epd_harness.procs import EncoderProcess, start_encoder
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import MediaSpec
 from tests.support.checkpoints import write_vision_checkpoint
 from tests.reliability.support import wait_until
-from tests.support.media import image_bytes
-from tests.support.procs import EncoderProcess, start_encoder
 from tests.support.reference import Reference, matches
 
 MODEL = "tiny-qwen3-vl"

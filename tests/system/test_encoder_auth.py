@@ -7,8 +7,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc
+from epd_harness.procs import start_encoder
 from tests.support.certs import make_pki
-from tests.support.procs import start_encoder
 
 MODEL = "tiny-qwen3-vl"
 

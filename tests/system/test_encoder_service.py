@@ -13,8 +13,8 @@ from common import metrics
 from common.config import LIVENESS_SERVICE, READINESS_SERVICE
 from common.fingerprint import mm_hash_fingerprint
 from common.wire import PROTOCOL_VERSION, SERVICE_NAME, pb2, pb2_grpc
-from tests.support.media import image_bytes
-from tests.support.procs import EncoderProcess, start_encoder
+from epd_harness.media import image_bytes
+from epd_harness.procs import EncoderProcess, start_encoder
 from tests.support.scrape import scrape
 from tests.transport_params import TRANSPORTS
 

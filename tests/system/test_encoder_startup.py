@@ -36,9 +36,9 @@ from common import metrics as m
 from common.config import LIVENESS_SERVICE, READINESS_SERVICE
 from common.errors import ECLoadFailure
 from common.wire import PROTOCOL_VERSION, SERVICE_NAME, pb2, pb2_grpc
+from epd_harness.media import image_bytes
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import MediaSpec
-from tests.support.media import image_bytes
 from tests.support.scrape import scrape
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]

@@ -28,9 +28,9 @@ import pytest
 
 from common import metrics as m
 from common.transport import nixl_available
-from tests.support.media import image_bytes
+from epd_harness.media import image_bytes
+from epd_harness.procs import EncoderProcess, start_encoder
 from tests.support.prefill_proc import StepResult, start_gated_prefill
-from tests.support.procs import EncoderProcess, start_encoder
 from tests.support.scrape import Scrape, promtool_path, promtool_problems, scrape
 
 pytestmark = pytest.mark.timeout(240)

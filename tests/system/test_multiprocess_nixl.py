@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from common import metrics as m
+from epd_harness.media import image_bytes, video_frames
+from epd_harness.procs import start_encoder
 from tests.support.json_lines import last_json_object
-from tests.support.media import image_bytes, video_frames
-from tests.support.procs import start_encoder
 from tests.support.reference import Reference, matches
 from tests.support.scrape import scrape
 from tests.transport_params import NIXL_OK, NIXL_REASON

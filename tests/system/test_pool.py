@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 
 from common.metrics import EPD_ENCODE_REQUESTS
+from epd_harness.media import image_bytes
+from epd_harness.procs import EncoderProcess, start_encoder
+from epd_harness.waits import wait_ready
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import MediaSpec
 from prefill_client.consumer.routing import rendezvous_order
 from tests.reliability.support import wait_until
-from tests.support.media import image_bytes
-from tests.support.procs import EncoderProcess, start_encoder
 from tests.support.reference import Reference, matches
 from tests.support.scrape import scrape
 
@@ -34,6 +35,7 @@ MODEL = "tiny-qwen3-vl"
 REF = Reference()
 REFRESH_S = 0.2
 SETTLE_S = 10.0  # bound on waiting for the client to see a change
+LISTEN_LIMIT_S = 120.0  # bounds the start until listening; a stalled one fails long before (epd_harness.waits)
 
 def _write(listing: Path, text: str) -> None:
     """Replace the target list in one step, as a ConfigMap update does: a reader never sees half of it."""
@@ -106,10 +108,12 @@ def _spawn_warming(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, int]:
            "--metrics-port", "0", "--transport", "mock", "--encoder-backend", "compile",
            "--encoder-buckets", "16", "--compile-cache-dir", str(tmp_path / "compile-cache"),
            "--listening-file", str(listening)]
-    with open(tmp_path / "warming.log", "wb") as log:
+    log_path = tmp_path / "warming.log"
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    wait_until(listening.exists, SETTLE_S, "the warming encoder listens")
-    ports = json.loads(listening.read_text())
+    ports = wait_ready("the warming encoder (listening)", proc, log_path,
+                       lambda: json.loads(listening.read_text()) if listening.exists() else None,
+                       limit_s=LISTEN_LIMIT_S)
     return proc, f"127.0.0.1:{ports['port']}", int(ports["metrics_port"])
 
 

@@ -21,7 +21,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +28,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from epd_harness.media import image_bytes
+from epd_harness.waits import wait_ready
 from tests.support.json_lines import last_json_object
-from tests.support.media import image_bytes
 from tests.support.reference import Reference, matches
 from tests.transport_params import NIXL_OK, NIXL_REASON
 
@@ -41,7 +41,7 @@ pytestmark = [
 ]
 
 IP_TIMEOUT_S = 10.0
-READY_TIMEOUT_S = 90.0
+READY_LIMIT_S = 200.0  # the whole start; a stalled one fails long before (epd_harness.waits)
 CLIENT_TIMEOUT_S = 90.0
 # Only inside the namespaces this test creates; nothing else is ever addressed.
 ENCODER_ADDR, CONSUMER_ADDR, PREFIX_LEN = "10.213.0.1", "10.213.0.2", 30
@@ -116,14 +116,10 @@ def _start_encoder(h: Hosts, tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=h.env(h.encoder_dev),
                                 cwd=Path(__file__).resolve().parents[2])
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait(10)
-            raise AssertionError(f"encoder in {h.encoder_ns} not ready:\n{log_path.read_text()}")
-        time.sleep(0.05)
-    return proc, int(json.loads(ready.read_text())["port"])
+    # `ip netns exec` execs the encoder: the pid is the encoder's.
+    info = wait_ready(f"encoder in {h.encoder_ns}", proc, log_path,
+                      lambda: json.loads(ready.read_text()) if ready.exists() else None, limit_s=READY_LIMIT_S)
+    return proc, int(info["port"])
 
 
 def _consumer(h: Hosts, tmp: Path, target: str, name: str, *args: str) -> dict:  # type: ignore[type-arg]

@@ -20,26 +20,17 @@ import httpx
 import pytest
 
 from common.weights_digest import checkpoint_digest
+from epd_harness.families import noise_vision_copy
+from epd_harness.media import image_url, video_url
+from epd_harness.ports import free_port
+from epd_harness.procs import EncoderProcess, SoakEncoder, start_encoder
+from epd_harness.qwen3vl import write_qwen3vl_checkpoint
+from epd_harness.vllm import PIL_IMAGE_PROCESSOR, Server, VllmPair, chat_body, start_pair, start_proxy, vllm_missing
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import MediaSpec
-from bench.vllm_soak import SoakEncoder, run_soak
-from tests.support.procs import EncoderProcess, start_encoder
-from tests.support.ports import free_port
-from tests.support.qwen3vl import noise_vision_copy, write_qwen3vl_checkpoint
+from bench.vllm_soak import run_soak
+from tests.support.gate import Gate
 from tests.support.scrape import scrape
-from tests.support.vllm_stack import (
-    Gate,
-    Server,
-    chat_body,
-    connector_config,
-    image_url,
-    launch_vllm,
-    start_proxy,
-    stop_vllm,
-    video_url,
-    vllm_missing,
-    wait_vllm,
-)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -88,20 +79,15 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     # A second encoder the connector knows from the start, for the soak (the other tests use the first).
     second = SoakEncoder.start(tmp, "encoder-b", *encoder_args)
     metrics_port = free_port()
-    # Both engines start at once: most of their start-up is imports and process spawns.
-    baseline = launch_vllm(checkpoint, tmp / "vllm-baseline.log", "--served-model-name", MODEL,
-                           # transformers' PIL image processor: what the encoder's preprocessing reproduces
-                           "--mm-processor-kwargs", json.dumps({"use_fast": False}), cpu_core=0)
-    consumer = launch_vllm(noise, tmp / "vllm-consumer.log", "--served-model-name", MODEL, "--ec-transfer-config",
-                           connector_config([encoder.target, second.target], MODEL, metrics_port=metrics_port,
-                                            pull_timeout_s=PULL_TIMEOUT_S,
-                                            rpc_timeout_s=3.0), cpu_core=1, tensor_parallel=request.param)
-    servers: list[Server] = [baseline, consumer]
+    pair: VllmPair | None = None
+    servers: list[Server] = []
     gate: Gate | None = None
     built: Stack | None = None
     try:
-        wait_vllm(baseline)
-        wait_vllm(consumer)
+        pair = start_pair(tmp, MODEL, checkpoint, noise, [encoder.target, second.target],
+                          baseline_args=PIL_IMAGE_PROCESSOR, tensor_parallel=request.param,
+                          metrics_port=metrics_port, pull_timeout_s=PULL_TIMEOUT_S, rpc_timeout_s=3.0)
+        baseline, consumer = pair.baseline, pair.consumer
         proxy = start_proxy(tmp / "proxy.log", [encoder.target], [consumer.url], "--model-id", MODEL)
         servers.append(proxy)
         gate = Gate(consumer.url)
@@ -114,10 +100,10 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     finally:
         if gate is not None:
             gate.close()
-        for server in servers[2:]:
+        for server in servers:
             server.stop()
-        for server in servers[:2]:
-            stop_vllm(server)
+        if pair is not None:
+            pair.stop()
         encoder.terminate()
         second.terminate()
         if built is not None and built.encoder is not encoder:  # the successor the kill test started

@@ -12,29 +12,27 @@ encoder answers (metadata only), LLaVA and Gemma 3 from the media itself (sent w
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from common.weights_digest import checkpoint_digest
-from tests.support import families
-from tests.support.qwen3vl import write_qwen3vl_checkpoint
+from epd_harness.families import FAMILIES, noise_vision_copy
+from epd_harness.media import image_url, video_url
+from epd_harness.vllm import TowerStack, chat_body, start_tower_stack, vllm_missing
 from tests.support.scrape import scrape
-from tests.support.vllm_stack import TowerStack, chat_body, image_url, start_tower_stack, video_url, vllm_missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 LOGPROB_ATOL = 1e-3
-WRITERS: dict[str, Callable[[Path, int], Path]] = {"qwen3_vl": write_qwen3vl_checkpoint, **families.FAMILIES}
 # About a minute each (two vLLM engines and an encoder start): four in the suite, every family with
 # EPD_TEST_FAMILIES=all (or a comma-separated choice).
 DEFAULT_FAMILIES = ("gemma3", "llava_onevision", "qwen2_5_vl", "qwen3_vl")
 VIDEO_FAMILIES = {"llava_onevision", "qwen2_5_vl", "qwen3_vl"}  # of the tested ones, those whose vLLM model takes video
 _CHOSEN = os.environ.get("EPD_TEST_FAMILIES", "")
-CHOSEN = sorted(WRITERS) if _CHOSEN == "all" else [f for f in _CHOSEN.split(",") if f] or list(DEFAULT_FAMILIES)
+CHOSEN = sorted(FAMILIES) if _CHOSEN == "all" else [f for f in _CHOSEN.split(",") if f] or list(DEFAULT_FAMILIES)
 
 
 @pytest.fixture(scope="module", params=CHOSEN)
@@ -43,11 +41,11 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     if reason:
         pytest.skip(reason)
     family: str = request.param
-    if family not in WRITERS:
-        pytest.fail(f"EPD_TEST_FAMILIES names {family!r}; known: {sorted(WRITERS)}")
+    if family not in FAMILIES:
+        pytest.fail(f"EPD_TEST_FAMILIES names {family!r}; known: {sorted(FAMILIES)}")
     tmp = tmp_path_factory.mktemp(family)
-    checkpoint = WRITERS[family](tmp / "checkpoint", 3)
-    noise = families.noise_vision_copy(checkpoint, tmp / "noise-vision")
+    checkpoint = FAMILIES[family](tmp / "checkpoint", 3)
+    noise = noise_vision_copy(checkpoint, tmp / "noise-vision")
     assert checkpoint_digest(noise) != checkpoint_digest(checkpoint)
     built = start_tower_stack(tmp, family, checkpoint, noise, "--cache-blocks", "64")
     try:

@@ -10,12 +10,12 @@ import pytest
 
 from common.errors import ECLoadFailure, LoadFailureReason, WeightsMismatchError
 from common.weights_digest import checkpoint_digest
+from epd_harness.media import image_bytes
+from epd_harness.procs import EncoderProcess, start_encoder
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import MediaSpec
 from prefill_client.consumer.routing import rendezvous_order
 from tests.support.checkpoints import write_vision_checkpoint
-from tests.support.media import image_bytes
-from tests.support.procs import EncoderProcess, start_encoder
 from tests.support.reference import Reference, matches
 
 MODEL = "tiny-qwen3-vl"

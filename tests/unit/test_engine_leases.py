@@ -24,7 +24,7 @@ from common.metrics import EncoderMetrics
 from encoder_server.cache_blocks import EncoderCacheBlocks
 from encoder_server.engine import EncoderEngine, Failed, Located, MediaInput
 from encoder_server.preprocess import PreprocessConfig, Preprocessor, ProcessedItem
-from tests.support.media import image_bytes
+from epd_harness.media import image_bytes
 
 BLOCK = 64  # a 64x64 image is 64 tokens (Qwen3-VL's minimum): one block
 X = MediaInput("image", (image_bytes(64, 64, seed=1),))

@@ -1,4 +1,4 @@
-"""``mypy --strict`` over the three packages, as configured in ``pyproject.toml`` ([tool.mypy])."""
+"""``mypy --strict`` over the packages configured in ``pyproject.toml`` ([tool.mypy] packages)."""
 
 from __future__ import annotations
 

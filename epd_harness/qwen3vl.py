@@ -1,21 +1,20 @@
-"""A tiny but complete Qwen3-VL checkpoint written on the spot, loadable by transformers and vLLM.
+"""A tiny but complete Qwen3-VL checkpoint written on the spot for test and bench runs (that run's process).
 
 Text model, vision tower, tokenizer (byte-level, with Qwen3-VL's special tokens and a chat
 template that places one ``<|vision_start|><|image_pad|><|vision_end|>`` per image) and
-processor configs, all from a fixed seed. :func:`noise_vision_copy` writes a copy whose vision
-weights are noise: a consumer given it can only answer like the original if its embeddings come
-from somewhere else.
+processor configs, all from a fixed seed, loadable by transformers and vLLM.
+:func:`epd_harness.families.noise_vision_copy` writes a copy whose vision weights are noise:
+a consumer given it can only answer like the original if its embeddings come from somewhere else.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from encoder_server.vision.config import VisionConfig
 
@@ -47,7 +46,7 @@ CHAT_TEMPLATE = (
 def _byte_vocab() -> dict[str, int]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    return {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    return {ch: i for i, ch in enumerate(bytes_to_unicode().values())}  # type: ignore[no-untyped-call]
 
 
 def _write_tokenizer(path: Path) -> dict[str, int]:
@@ -58,12 +57,13 @@ def _write_tokenizer(path: Path) -> dict[str, int]:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer_cls: Any = PreTrainedTokenizerFast  # its constructor is untyped
+    fast = tokenizer_cls(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 4096
     fast.save_pretrained(str(path))
-    ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = {t: int(fast.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}
     assert max(ids.values()) < VOCAB_SIZE, ids
     return ids
 
@@ -95,7 +95,8 @@ def write_qwen3vl_checkpoint(path: Path, seed: int = 0, *, init_std: float = 0.0
     )
     config.architectures = ["Qwen3VLForConditionalGeneration"]
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+    model_cls: Any = Qwen3VLForConditionalGeneration  # its constructor is untyped
+    model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():  # a readable model: every weight from the seed, wider than the default init
         gen = torch.Generator().manual_seed(seed)
         for name, p in model.named_parameters():
@@ -122,17 +123,3 @@ def write_qwen3vl_checkpoint(path: Path, seed: int = 0, *, init_std: float = 0.0
         {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], "do_sample": False}))
     return path
 
-
-def noise_vision_copy(src: Path, dst: Path, seed: int = 12345) -> Path:
-    """A copy of checkpoint ``src`` whose vision weights (``model.visual.*``) are replaced by noise."""
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(src, dst)
-    gen = torch.Generator().manual_seed(seed)
-    for file in sorted(dst.glob("*.safetensors")):
-        tensors = load_file(str(file))
-        for name, t in tensors.items():
-            if name.startswith("model.visual."):
-                tensors[name] = torch.randn(t.shape, generator=gen).to(t.dtype)
-        save_file(tensors, str(file), metadata={"format": "pt"})
-    return dst

@@ -1,4 +1,4 @@
-"""The fixed test ports: outside the kernel's ephemeral range, each handed out once, free when handed out."""
+"""The fixed ports of test and bench runs: outside the kernel's ephemeral range, each handed out once, free when handed out."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from tests.support import ports
-from tests.support.ports import ephemeral_floor, free_port
+from epd_harness import ports
+from epd_harness.ports import ephemeral_floor, free_port
 
 
 def test_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:

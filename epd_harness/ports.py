@@ -1,4 +1,4 @@
-"""Fixed ports for test processes that must be told their port before they start.
+"""Fixed ports for the processes a test or bench run must tell their port before they start (that run's process).
 
 A port found by binding port 0 and closing the socket is an *ephemeral* port: the kernel hands
 the same range to every later ``bind(0)`` and outgoing connection, so between our close and the

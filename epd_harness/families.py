@@ -1,10 +1,11 @@
-"""Tiny random-weight checkpoints of several vision-language families, written on the spot.
+"""Tiny random-weight checkpoints of vision-language families for test and bench runs (that run's process).
 
 Each writer builds a complete checkpoint that transformers and vLLM load offline: a byte-level
 tokenizer with the family's special tokens and a chat template that puts the family's image
 placeholder for each image part, processor configs, and float32 weights from a fixed seed
 (wider than the default init, so that greedy tokens and logprobs visibly depend on the image).
 
+- ``qwen3_vl``: Qwen3-VL, from :mod:`epd_harness.qwen3vl`.
 - ``qwen2_5_vl``: Qwen2.5-VL, tokens per image grow with its size (14 px patches, 2x2 merge).
 - ``llava_onevision``: LLaVA-OneVision, SigLIP tower and Qwen2 text model, anyres tiling.
 - ``gemma3``: Gemma 3, SigLIP tower, a fixed :data:`GEMMA3_TOKENS_PER_IMAGE` tokens per image.
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.support.qwen3vl import _byte_vocab
+from epd_harness.qwen3vl import _byte_vocab, write_qwen3vl_checkpoint
 
 VOCAB_SIZE_ALIGN = 8  # vocab_size: 256 bytes + the family's tokens, rounded up to this
 INIT_STD = 0.08
@@ -362,6 +363,7 @@ def write_llava_checkpoint(path: Path, seed: int = 0, *, init_std: float = INIT_
 
 
 FAMILIES: dict[str, Callable[[Path, int], Path]] = {
+    "qwen3_vl": write_qwen3vl_checkpoint,
     "qwen2_5_vl": write_qwen2_5_vl_checkpoint,
     "llava_onevision": write_llava_onevision_checkpoint,
     "gemma3": write_gemma3_checkpoint,
