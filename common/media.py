@@ -8,7 +8,9 @@
   another resize policy are another item. The encoder computes it from the
   bytes it received, so a client can never store content under a key of its
   choosing; a prefill worker computes the same value to name the item in its
-  prefix-cache keys before asking the encoder anything.
+  prefix-cache keys before asking the encoder anything. A tenant's cache salt
+  (vLLM's ``cache_salt``) makes the same bytes another item again: its mm_hash
+  is derived from the salt and the unsalted mm_hash; no salt, the unsalted one.
 * ``image_grid`` / ``video_grid`` give the Qwen-VL patch grid and the number of
   merged tokens (placeholders) an item takes.
 """
@@ -29,6 +31,7 @@ from common.errors import InvalidMediaError
 # any other use of the hash. BLAKE3 hashes at memory speed (about 7x BLAKE2b here).
 _CONTENT_CONTEXT = "epd-cache 2026 item content v2"
 _MM_PERSON = b"epd-mmhash-v1"
+_SALTED_PERSON = b"epd-mmsalt-v1"  # its own personalization: a salted mm_hash is never an unsalted one
 
 # EXIF orientations 5..8 rotate by 90 degrees: width and height swap.
 _EXIF_ORIENTATION = 0x0112
@@ -75,10 +78,21 @@ def content_hash(kind: str, frames: Sequence[bytes | memoryview], fps: float | N
     return h.hexdigest(16)
 
 
-def mm_hash(model_id: str, preprocess_fingerprint: str, content: str) -> str:
-    """32 lowercase hex digits naming (model, preprocessing, content)."""
-    h = hashlib.blake2b(digest_size=16, person=_MM_PERSON)
-    for part in (model_id, preprocess_fingerprint, content):
+def mm_hash(model_id: str, preprocess_fingerprint: str, content: str, cache_salt: str = "") -> str:
+    """32 lowercase hex digits naming (model, preprocessing, content), under ``cache_salt`` if one is given.
+
+    Unsalted: BLAKE2b (16 bytes, personalization ``epd-mmhash-v1``) over the three parts, each
+    length-prefixed. Salted: BLAKE2b (16 bytes, ``epd-mmsalt-v1``) over the length-prefixed salt
+    and unsalted mm_hash, so the same bytes under two salts are two items, and neither is the
+    unsalted one; the format stays what every consumer checks.
+    """
+    unsalted = _digest(_MM_PERSON, (model_id, preprocess_fingerprint, content))
+    return _digest(_SALTED_PERSON, (cache_salt, unsalted)) if cache_salt else unsalted
+
+
+def _digest(person: bytes, parts: Sequence[str]) -> str:
+    h = hashlib.blake2b(digest_size=16, person=person)
+    for part in parts:
         data = part.encode()
         h.update(len(data).to_bytes(4, "little"))
         h.update(data)

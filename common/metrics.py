@@ -1,4 +1,4 @@
-"""Prometheus metric definitions for both processes.
+"""Prometheus metric definitions for every process (encoder, prefill, proxy).
 
 Names come from the reference metrics document (``vllm:*``,
 ``vllm_neuron:*``); the EPD pull metrics are this project's own (``epd_*``).
@@ -14,6 +14,7 @@ layer                         process     metrics
                                           _evictions + occupancy gauges
 EPD pull                      prefill     epd_pulls, epd_pull_bytes, epd_pull_latency_seconds,
                                           epd_ec_load_failures{reason}, epd_handshakes{result}
+front door                    proxy       epd_proxy_* (requests, latencies, rejections, backends)
 ============================  ==========  ==========================================
 
 Each class registers its metrics in the registry it is given (a fresh one by
@@ -25,7 +26,7 @@ values add up, so the export is the fleet-wide total.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -36,6 +37,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 # vLLM does the same: the *_created series double every counter for no use.
 disable_created_metrics()
@@ -76,8 +78,28 @@ EPD_LEASES_DROPPED = "epd_encoder_leases_dropped"
 EPD_WARMUP_BUCKETS = "epd_encoder_warmup_buckets"
 EPD_QUEUE_TOKENS = "epd_encoder_queue_tokens"
 EPD_WARMUP_BUCKETS_READY = "epd_encoder_warmup_buckets_ready"
+# epd proxy: the OpenAI-compatible front (vLLM's server metrics as far as they fit, prefixed).
+PROXY_PREFIX = "epd_proxy_"
+PROXY_REQUESTS = "epd_proxy_requests"
+PROXY_REQUESTS_RUNNING = "epd_proxy_requests_running"
+PROXY_E2E_LATENCY = "epd_proxy_e2e_request_latency_seconds"
+PROXY_ENCODE_LATENCY = "epd_proxy_encode_latency_seconds"
+PROXY_BACKEND_TTFB = "epd_proxy_backend_time_to_first_byte_seconds"
+PROXY_BACKEND_RUNNING = "epd_proxy_backend_requests_running"
+PROXY_BACKEND_ERRORS = "epd_proxy_backend_errors"
+PROXY_MEDIA_ITEMS = "epd_proxy_media_items"
+PROXY_REJECTIONS = "epd_proxy_rejections"
+# What the proxy's label values can be (created at zero, so a rate over them exists from the start).
+PROXY_MEDIA_OUTCOMES = ("hit", "miss", "refused")
+PROXY_REJECTION_REASONS = ("auth", "inflight", "bad_request", "cache_full", "unavailable")
 
 _PULL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+# vLLM's buckets: e2e as vllm:e2e_request_latency_seconds, first byte as vllm:time_to_first_token_seconds.
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+_FIRST_BYTE_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                       20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ENCODE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class _ConsistentView:
@@ -210,3 +232,64 @@ class PrefillMetrics(InputProcessorMetrics):
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ProxyFamilies:
+    """A collector's families whose names are the proxy's: in multiprocess mode the files of a
+    worker also hold its encoder clients' series, which the proxy does not export."""
+
+    def __init__(self, source: MultiProcessCollector) -> None:
+        self._source = source
+
+    def collect(self) -> Iterable[Metric]:
+        return [family for family in self._source.collect() if family.name.startswith(PROXY_PREFIX)]
+
+
+class ProxyMetrics:
+    """Metrics ``epd proxy`` exports on its ``/metrics``.
+
+    ``multiprocess_dir``: the ``PROMETHEUS_MULTIPROC_DIR`` of ``--workers N`` (set before
+    prometheus_client was imported): each worker's exposition is then the sum over all of them.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, multiprocess_dir: str | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.multiprocess_dir = multiprocess_dir
+        r = self.registry
+        self.requests = Counter(
+            PROXY_REQUESTS, "Requests answered, by route and HTTP status (probes and scrapes not counted)",
+            ["route", "code"], registry=r)
+        self.requests_running = Gauge(
+            PROXY_REQUESTS_RUNNING, "Requests admitted and not yet answered in full (the --max-inflight count)",
+            registry=r, multiprocess_mode="livesum")
+        self.e2e_latency = Histogram(
+            PROXY_E2E_LATENCY, "Time from a request's admission to the end of its answer, streams included",
+            ["route"], registry=r, buckets=_E2E_BUCKETS)
+        self.encode_latency = Histogram(
+            PROXY_ENCODE_LATENCY, "Time to place a request's media on the encoders (its Encode calls)",
+            registry=r, buckets=_ENCODE_BUCKETS)
+        self.backend_ttfb = Histogram(
+            PROXY_BACKEND_TTFB, "Time from sending a request to a backend until its status and headers arrive",
+            ["backend"], registry=r, buckets=_FIRST_BYTE_BUCKETS)
+        self.backend_running = Gauge(
+            PROXY_BACKEND_RUNNING, "Requests sent to a backend whose answer is not relayed in full yet",
+            ["backend"], registry=r, multiprocess_mode="livesum")
+        self.backend_errors = Counter(
+            PROXY_BACKEND_ERRORS, "Backend failures by kind: connect, timeout, server_error (a 5xx answer), "
+            "stream (the answer broke off)", ["backend", "kind"], registry=r)
+        self.media_items = Counter(
+            PROXY_MEDIA_ITEMS, "Media items by outcome: hit or miss on the encoders, or refused with the request "
+            "(a 4xx before they were placed)", ["outcome"], registry=r)
+        self.rejections = Counter(
+            PROXY_REJECTIONS, "Requests the proxy answered with an error itself, by reason", ["reason"], registry=r)
+        for outcome in PROXY_MEDIA_OUTCOMES:
+            self.media_items.labels(outcome=outcome)
+        for reason in PROXY_REJECTION_REASONS:
+            self.rejections.labels(reason=reason)
+
+    def exposition(self) -> bytes:
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_ProxyFamilies(MultiProcessCollector(None, path=self.multiprocess_dir)))
+        return generate_latest(registry)

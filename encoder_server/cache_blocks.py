@@ -41,7 +41,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -188,6 +188,13 @@ class EncoderCacheBlocks:
             self._now()
             return mm_hash in self._slots
 
+    def absent(self, mm_hashes: Iterable[str]) -> list[str]:
+        """Those of ``mm_hashes`` that are not present, under one lock for all of them."""
+        with self._lock:
+            self._now()
+            slots = self._slots
+            return [h for h in mm_hashes if h not in slots]
+
     def is_written(self, mm_hash: str) -> bool:
         with self._lock:
             self._now()
@@ -228,7 +235,7 @@ class EncoderCacheBlocks:
             entry = self._slots.get(mm_hash)
             if entry is None or entry.write_time is None:
                 return None
-            lease = self._leases.grant(entry, mm_hash, owner, now, entry.allocation(), pending=pending)
+            lease = self._leases.grant(entry, mm_hash, owner, now, entry.allocation, pending=pending)
             self._next_due = min(self._next_due, lease.expires_at)
             entry.last_acquire = now
             if entry.pins == 0:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from encoder_server.block_pool import BlockId
 
@@ -42,9 +42,12 @@ class SlotEntry:
     last_acquire: float | None = None
     pins: int = 0
     doomed: bool = False  # freed while pinned: blocks go when the last lease ends
+    # Built once: the location never changes while the entry lives, and every lease on it carries it.
+    allocation: Allocation = field(init=False, repr=False)
 
-    def allocation(self) -> Allocation:
-        return Allocation(tuple(self.block_ids), tuple(self.tokens_per_block), self.num_tokens, self.generation)
+    def __post_init__(self) -> None:
+        self.allocation = Allocation(
+            tuple(self.block_ids), tuple(self.tokens_per_block), self.num_tokens, self.generation)
 
 
 @dataclass(frozen=True, slots=True)

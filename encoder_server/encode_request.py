@@ -8,8 +8,8 @@ hands out ``memoryview`` slices of the received bytes instead; only items that
 must be decoded are copied later.
 
 The fast path accepts a strict subset of the wire format: the request's five
-fields (strings at most once each, valid UTF-8) and image items (an image and
-a uuid, at most once each). Anything else (videos, unknown or repeated
+fields (strings at most once each, valid UTF-8) and image items (an image, a
+uuid and a cache salt, at most once each). Anything else (videos, unknown or repeated
 fields, other wire types, truncation, bad UTF-8) goes to protobuf's own
 parser, so the meaning of every input, and the error for a malformed one, is
 exactly protobuf's. A test checks the two agree on generated requests.
@@ -34,6 +34,7 @@ class ItemView:
     frames: tuple[Frame, ...]
     fps: float
     uuid: str
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,7 @@ _REQUEST_STRINGS = {
 _ITEMS = pb2.EncodeRequest.DESCRIPTOR.fields_by_name["items"].number
 _IMAGE = pb2.MediaItem.DESCRIPTOR.fields_by_name["image"].number
 _UUID = pb2.MediaItem.DESCRIPTOR.fields_by_name["uuid"].number
+_SALT = pb2.MediaItem.DESCRIPTOR.fields_by_name["cache_salt"].number
 
 
 def parse_encode_request(data: bytes) -> EncodeView:
@@ -66,11 +68,11 @@ def from_message(msg: pb2.EncodeRequest) -> EncodeView:
     for item in msg.items:
         kind = item.WhichOneof("media") or ""
         if kind == "image":
-            items.append(ItemView(kind, (item.image,), 0.0, item.uuid))
+            items.append(ItemView(kind, (item.image,), 0.0, item.uuid, item.cache_salt))
         elif kind == "video":
-            items.append(ItemView(kind, tuple(item.video.frames), item.video.fps, item.uuid))
+            items.append(ItemView(kind, tuple(item.video.frames), item.video.fps, item.uuid, item.cache_salt))
         else:
-            items.append(ItemView("", (), 0.0, item.uuid))
+            items.append(ItemView("", (), 0.0, item.uuid, item.cache_salt))
     return EncodeView(msg.model_id, msg.consumer_id, msg.incarnation_id, items, msg.call_id)
 
 
@@ -116,16 +118,19 @@ def _text(payload: memoryview) -> str:
 def _item(buf: memoryview) -> ItemView:
     image: memoryview | None = None
     uuid: str | None = None
+    salt: str | None = None
     for number, payload in _fields(buf):
         if number == _IMAGE and image is None:
             image = payload
         elif number == _UUID and uuid is None:
             uuid = _text(payload)
+        elif number == _SALT and salt is None:
+            salt = _text(payload)
         else:
             raise _Unsupported
     if image is None:
         raise _Unsupported
-    return ItemView("image", (image,), 0.0, uuid or "")
+    return ItemView("image", (image,), 0.0, uuid or "", salt or "")
 
 
 def _fast(buf: memoryview) -> EncodeView | None:

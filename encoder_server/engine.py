@@ -8,7 +8,7 @@ the aliased encoder runner. Per item it follows the layer table of the design:
   and not already being encoded by another request is a **miss** and is
   encoded exactly once (concurrent requests for it wait on the same future);
 * only items that must be encoded need pixels: they go through the
-  **layer-1** input cache (pixel tensors by content hash) and are decoded on a
+  **layer-1** input cache (pixel tensors by mm_hash) and are decoded on a
   miss there;
 * admission counts whole blocks; when the cache cannot take the request even
   after evicting every unpinned item, the request fails at once with
@@ -17,8 +17,10 @@ the aliased encoder runner. Per item it follows the layer table of the design:
   as many as fit the largest bucket into one graph run (:mod:`.batcher`).
 
 The ``mm_hash`` is computed here from the content, the preprocessing
-parameters and the model id, so a client can never name content it did not
-send.
+parameters, the model id and the item's cache salt, so a client can never name
+content it did not send. Everything here is keyed by it (the device cache,
+leases, coalescing, the input cache), so an item under one tenant's salt never
+meets another tenant's entry for the same bytes, nor a timing that depends on it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ logger = logging.getLogger(__name__)
 # Longest an Encode may run when its call carries no deadline: the wait for its
 # encoder runs ends here, and with it every pending lease it holds.
 MAX_REQUEST_S = 120.0
+# The metadata of an item the engine did not admit itself; one instance, not one per answer.
+_NO_META = ItemMeta()
 
 
 class ProcessedItem(Protocol):
@@ -101,6 +105,7 @@ class MediaInput:
     frames: tuple[bytes | memoryview, ...]  # one entry for an image; views into the request bytes
     fps: float | None = None
     label: str = ""
+    cache_salt: str = ""  # the tenant's: part of the item's identity ("" none)
 
     def content_hash(self) -> str:
         return media.content_hash(self.kind, self.frames, self.fps)
@@ -220,8 +225,8 @@ class EncoderEngine:
 
     # --- hashing -----------------------------------------------------------------------
 
-    def mm_hash(self, content_hash: str) -> str:
-        return media.mm_hash(self.model_id, self.preprocess_fingerprint, content_hash)
+    def mm_hash(self, content_hash: str, cache_salt: str = "") -> str:
+        return media.mm_hash(self.model_id, self.preprocess_fingerprint, content_hash, cache_salt)
 
     # --- public operations ---------------------------------------------------------------
 
@@ -247,7 +252,7 @@ class EncoderEngine:
         loop = asyncio.get_running_loop()
         content = await loop.run_in_executor(
             self._preprocess_pool, lambda: [item.content_hash() for item in items])
-        hashes = [self.mm_hash(c) for c in content]
+        hashes = [self.mm_hash(c, item.cache_salt) for c, item in zip(content, items)]
 
         pinned: dict[str, _Pinned] = {}
         waiters: dict[str, Waiter] = {}
@@ -269,7 +274,7 @@ class EncoderEngine:
                 else:
                     misses[h] = i
 
-            preprocessed = await self._preprocess(items, content, misses)
+            preprocessed = await self._preprocess(items, misses)
             errors.update(preprocessed.errors)
             admissible, oversized = self._split_oversized(preprocessed.items)
             errors.update(oversized)
@@ -343,7 +348,7 @@ class EncoderEngine:
             if lease is None:
                 out.append(Failed(h, NotFoundError(f"mm_hash {h} is not in the encoder cache")))
             else:
-                out.append(_located(h, lease, self._metas.get(h, ItemMeta()), hit=True))
+                out.append(_located(h, lease, self._metas.get(h, _NO_META), hit=True))
         return out
 
     def release(self, lease_ids: Sequence[int], consumer_id: str | None) -> int:
@@ -361,8 +366,12 @@ class EncoderEngine:
             self.metrics.leases_expired.inc(expired - self._expired_counted)
             self._expired_counted = expired
         self.cache.reclaim_held()
-        for h in [h for h in self._metas if not self.cache.contains(h)]:
-            del self._metas[h]
+        # Every present item was admitted here with its metadata, so only a count above the
+        # cache's means some left. Asking the cache about each item on every tick held the event
+        # loop (and every Lookup) for milliseconds once it held thousands.
+        if len(self._metas) > self.cache.num_items:
+            for h in self.cache.absent(self._metas):
+                del self._metas[h]
         self.update_gauges()
 
     def update_gauges(self) -> None:
@@ -372,30 +381,32 @@ class EncoderEngine:
 
     # --- internals -----------------------------------------------------------------------
 
-    async def _preprocess(
-        self, items: Sequence[MediaInput], content: Sequence[str], misses: dict[str, int]
-    ) -> _Preprocessed:
-        """Pixels for every miss, through the layer-1 cache; bad media become per-item errors."""
+    async def _preprocess(self, items: Sequence[MediaInput], misses: dict[str, int]) -> _Preprocessed:
+        """Pixels for every miss, through the layer-1 cache; bad media become per-item errors.
+
+        The layer-1 cache is keyed by mm_hash, not by content: the same bytes under another
+        tenant's salt are decoded again, so how fast a miss is never says whether another
+        tenant sent those bytes.
+        """
         loop = asyncio.get_running_loop()
         processed: dict[str, ProcessedItem] = {}
         errors: dict[str, EpdError] = {}
         pending: dict[str, asyncio.Future[ProcessedItem]] = {}
         for h, i in misses.items():
             self.metrics.mm_cache_queries.inc()
-            cached = self._inputs.get(content[i])
+            cached = self._inputs.get(h)
             if cached is not None:
                 self.metrics.mm_cache_hits.inc()
                 processed[h] = cached
             else:
                 pending[h] = loop.run_in_executor(self._preprocess_pool, self._decode, items[i], i)
         for h, fut in pending.items():
-            i = misses[h]
             try:
                 item = await fut
             except InvalidMediaError as exc:
                 errors[h] = exc
                 continue
-            self._inputs.put(content[i], item)
+            self._inputs.put(h, item)
             processed[h] = item
         return _Preprocessed(processed, errors)
 
@@ -472,7 +483,7 @@ class EncoderEngine:
         lease = self.cache.acquire(mm_hash, owner=consumer_id, pending=True)
         if lease is None:
             return None
-        return _Pinned(lease, self._metas.get(mm_hash, ItemMeta()))
+        return _Pinned(lease, self._metas.get(mm_hash, _NO_META))
 
     def _retry_hint_ms(self) -> int:
         hint = self.cache.next_reusable_in_ms()

@@ -1,4 +1,4 @@
-"""Layer 1 of the encoder's caches: preprocessed items by content hash, LRU, bounded in bytes (encoder process)."""
+"""Layer 1 of the encoder's caches: preprocessed items by mm_hash, LRU, bounded in bytes (encoder process)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ if TYPE_CHECKING:
 
 
 class InputCache:
-    """Preprocessed items (pixel tensors) by content hash, so a miss of a known image skips decoding."""
+    """Preprocessed items (pixel tensors) by mm_hash, so a miss of a known image skips decoding.
+
+    By mm_hash rather than by content: it carries the item's cache salt, so one tenant's
+    decoded pixels never speed up another tenant's miss of the same bytes.
+    """
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes

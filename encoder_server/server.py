@@ -285,7 +285,7 @@ class EncoderServer:
         assert self.transport is not None and self._preprocess_proto is not None
         return self.transport.fill_handshake(
             pb2.HandshakeResponse(preprocess=self._preprocess_proto, weights_digest=self._weights_digest,
-                                  encoder_id=self.encoder_id, tower=self._tower))
+                                  encoder_id=self.encoder_id, tower=self._tower, keys_cache_salt=True))
 
     # --- background --------------------------------------------------------------------------
 
@@ -295,7 +295,12 @@ class EncoderServer:
         assert self.engine is not None and self.transport is not None
         while True:
             try:
-                messages = await asyncio.to_thread(self.transport.drain_notifications)
+                # Our poller collects them already: taking them is a deque pop, not worth a thread
+                # hop every tick. Otherwise the drain calls the agent, which may block.
+                if self.transport.collects_in_background:
+                    messages = self.transport.drain_notifications()
+                else:
+                    messages = await asyncio.to_thread(self.transport.drain_notifications)
                 lease_ids: list[int] = []
                 for msg in messages:
                     try:

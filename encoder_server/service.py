@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from prometheus_client import Counter
 
 from common.errors import (
     EpdError,
@@ -33,6 +34,7 @@ from common.errors import (
 from common.layout import CacheLayout, dtype_name
 from common.media import PreprocessParams
 from common.metrics import EncoderMetrics
+from common.placeholder import ItemMeta
 from common.placeholder import to_proto as placeholder_to_proto
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc
 from encoder_server.call_leases import MAX_CALL_ID_CHARS, CallLeases
@@ -108,7 +110,7 @@ def _rpc(method: str) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[...
                 logger.exception("%s failed", method)
                 await abort_call(context, code, f"{method} failed inside the encoder; see its log")
             finally:
-                self.metrics.requests.labels(method=method, code=code.name).inc()
+                self._count(method, code)
             raise AssertionError("unreachable")  # context.abort always raises
 
         return handler
@@ -146,6 +148,11 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
         self.compatibility_hash = layout.compatibility_hash(model_id, PROTOCOL_VERSION)
         self.draining = False
         self.calls = CallLeases(lease_ttl_ms / 1000.0)
+        self._request_counters: dict[tuple[str, grpc.StatusCode], Counter] = {}
+        # generation -> (mm_hash, metadata, encoded fields): see _allocation_fields. Live allocations
+        # are fewer than the blocks, so past that many entries most are evicted ones and all go.
+        self._locations: dict[int, tuple[str, ItemMeta, bytes]] = {}
+        self._max_locations = layout.num_blocks
 
     # --- checks ----------------------------------------------------------------------
 
@@ -172,6 +179,14 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
     def _check_label(kind: str, value: str, limit: int = MAX_LABEL_CHARS) -> None:
         if len(value) > limit:
             raise InvalidRequestError(f"{kind} is {len(value)} characters; at most {limit}")
+
+    def _count(self, method: str, code: grpc.StatusCode) -> None:
+        # labels() checks and joins its arguments on every call; the child of a pair never changes.
+        key = (method, code)
+        counter = self._request_counters.get(key)
+        if counter is None:
+            counter = self._request_counters[key] = self.metrics.requests.labels(method=method, code=code.name)
+        counter.inc()
 
     # --- handlers --------------------------------------------------------------------
 
@@ -218,21 +233,26 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
 
     @_rpc("Lookup")
     async def Lookup(self, request: pb2.LookupRequest, context: Context) -> pb2.LookupResponse:
+        # Each read of a request's string field builds a new str: read each once.
+        consumer_id, call_id = request.consumer_id, request.call_id
         self._check_model(request.model_id)
         self._check_incarnation(request.incarnation_id)
-        self._check_label("consumer_id", request.consumer_id)
-        self._check_label("call_id", request.call_id, MAX_CALL_ID_CHARS)
+        self._check_label("consumer_id", consumer_id)
+        self._check_label("call_id", call_id, MAX_CALL_ID_CHARS)
         self._refuse_if_draining()
         if len(request.mm_hashes) > MAX_LOOKUPS_PER_REQUEST:
             raise LimitExceededError(
                 f"request looks up {len(request.mm_hashes)} items; at most {MAX_LOOKUPS_PER_REQUEST}")
-        for h in request.mm_hashes:
+        hashes = list(request.mm_hashes)
+        for h in hashes:
             if not _MM_HASH.match(h):
                 raise InvalidRequestError(f"mm_hash {h[:80]!r} is not 32 lowercase hex digits")
-        results = self.engine.lookup(list(request.mm_hashes), request.consumer_id)
-        self._deliver_or_drop(context, results, request.consumer_id, request.call_id)
-        return pb2.LookupResponse(
-            results=[self._result("", r) for r in results], incarnation_id=self.incarnation_id)
+        results = self.engine.lookup(hashes, consumer_id)
+        self._deliver_or_drop(context, results, consumer_id, call_id)
+        response = pb2.LookupResponse(incarnation_id=self.incarnation_id)
+        for r in results:
+            self._fill(response.results.add(), "", r)
+        return response
 
     @_rpc("Release")
     async def Release(self, request: pb2.ReleaseRequest, context: Context) -> pb2.ReleaseResponse:
@@ -315,34 +335,57 @@ class EncoderCacheServicer(pb2_grpc.EncoderCacheServiceServicer):
 
     def _media(self, index: int, item: ItemView) -> MediaInput:
         self._check_label(f"item {index} uuid", item.uuid)
+        self._check_label(f"item {index} cache_salt", item.cache_salt)
         if item.kind == "image":
-            return MediaInput("image", item.frames, None, item.uuid)
+            return MediaInput("image", item.frames, None, item.uuid, item.cache_salt)
         if item.kind == "video":
-            return MediaInput("video", item.frames, item.fps if item.fps > 0 else None, item.uuid)
+            return MediaInput("video", item.frames, item.fps if item.fps > 0 else None, item.uuid, item.cache_salt)
         raise InvalidRequestError(f"item {index} carries neither an image nor a video")
 
-    @staticmethod
-    def _result(uuid: str, result: Located | Failed) -> pb2.ItemResult:
+    def _result(self, uuid: str, result: Located | Failed) -> pb2.ItemResult:
+        out = pb2.ItemResult()
+        self._fill(out, uuid, result)
+        return out
+
+    def _fill(self, out: pb2.ItemResult, uuid: str, result: Located | Failed) -> None:
+        """Write one item's answer into the empty ``out``."""
         if isinstance(result, Failed):
             err = result.error
-            return pb2.ItemResult(uuid=uuid, error=pb2.ItemError(
-                code=err.grpc_code.value[0], message=str(err), mm_hash=result.mm_hash))
+            out.CopyFrom(pb2.ItemResult(uuid=uuid, error=pb2.ItemError(
+                code=err.grpc_code.value[0], message=str(err), mm_hash=result.mm_hash)))
+            return
+        out.uuid = uuid
+        location = out.location
+        location.MergeFromString(self._allocation_fields(result))
         lease = result.lease
-        expiry_unix_ms = int((time.time() + (lease.expires_at - time.monotonic())) * 1000)
-        return pb2.ItemResult(
-            uuid=uuid,
-            location=pb2.ItemLocation(
-                mm_hash=result.mm_hash,
-                block_ids=result.block_ids,
-                tokens_per_block=result.tokens_per_block,
-                num_tokens=result.num_tokens,
-                fingerprint=result.fingerprint,
-                generation=result.generation,
-                lease_id=lease.lease_id,
-                lease_expiry_unix_ms=max(0, expiry_unix_ms),
-                result=pb2.CACHE_RESULT_HIT if result.hit else pb2.CACHE_RESULT_MISS,
-                grid_thw=result.meta.grid_thw,
-                placeholder=placeholder_to_proto(result.meta.placeholder),
-                modality=result.meta.modality,
-            ),
-        )
+        location.lease_id = lease.lease_id
+        location.lease_expiry_unix_ms = max(0, int((time.time() + (lease.expires_at - time.monotonic())) * 1000))
+        location.result = pb2.CACHE_RESULT_HIT if result.hit else pb2.CACHE_RESULT_MISS
+
+    def _allocation_fields(self, result: Located) -> bytes:
+        """The location's fields that its allocation fixes (all but the lease's and the hit), encoded.
+
+        Encoded once per allocation, not per answer: building them (the placeholder fields
+        above all) was most of a Lookup's conversion. A generation names one allocation of
+        this cache; the hash and the metadata object are compared too, so an entry that does
+        not match is rebuilt, never answered.
+        """
+        meta = result.meta
+        cached = self._locations.get(result.generation)
+        if cached is not None and cached[0] == result.mm_hash and cached[1] is meta:
+            return cached[2]
+        if len(self._locations) >= self._max_locations:
+            self._locations.clear()  # a live allocation's entry comes back with its next answer
+        encoded = pb2.ItemLocation(
+            mm_hash=result.mm_hash,
+            block_ids=result.block_ids,
+            tokens_per_block=result.tokens_per_block,
+            num_tokens=result.num_tokens,
+            fingerprint=result.fingerprint,
+            generation=result.generation,
+            grid_thw=meta.grid_thw,
+            placeholder=placeholder_to_proto(meta.placeholder),
+            modality=meta.modality,
+        ).SerializeToString()
+        self._locations[result.generation] = (result.mm_hash, meta, encoded)
+        return encoded

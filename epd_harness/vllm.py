@@ -74,18 +74,20 @@ class Server:
 
 
 def launch_vllm(model: Path, log_path: Path, *args: str, cpu_core: int | None = None,
-                tensor_parallel: int = 1) -> Server:
+                tensor_parallel: int = 1, log_stats: bool = False) -> Server:
     """Start ``vllm serve MODEL`` on a free port without waiting (see :func:`wait_vllm`).
 
     ``cpu_core``: the core the CPU build's engine binds its OpenMP threads to. By default every
     engine binds to the same first core, and two engines on one box then take turns on it.
     ``tensor_parallel``: ranks of the engine, each bound to its own core from ``cpu_core`` on
     (the CPU build refuses to bind several ranks to one NUMA node by itself).
+    ``log_stats``: keep vLLM's statistics, and so the engine metrics on its ``/metrics`` (off: less work
+    per step).
     """
     port = free_port()
     cmd = [sys.executable, "-m", "common.cli", "vllm", "serve", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len", "4096",
-           "--max-num-seqs", "8", "--disable-log-stats", *args]
+           "--max-num-seqs", "8", *([] if log_stats else ["--disable-log-stats"]), *args]
     env = {**os.environ, **VLLM_ENV}
     cores = os.cpu_count() or 1
     if tensor_parallel > 1:

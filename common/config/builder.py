@@ -26,9 +26,14 @@ from common.config.choices import Choice
 from common.errors import ConfigError
 
 
-def setting(default: Any, *, env: str, help: str, flag: str | None = None) -> Any:
-    """Declare a config field with its environment variable and help text."""
-    return field(default=default, metadata={"env": env, "help": help, "flag": flag})
+def setting(default: Any, *, env: str, help: str, flag: str | None = None, repeat: bool = False,
+            secret: bool = False) -> Any:
+    """Declare a config field with its environment variable and help text.
+
+    ``repeat``: a list setting whose flag may also be given several times (the values add up);
+    ``secret``: the value stays out of the config's repr (and so out of logs).
+    """
+    return field(default=default, repr=not secret, metadata={"env": env, "help": help, "flag": flag, "repeat": repeat})
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +46,7 @@ class SettingInfo:
     default: Any
     help: str
     type: Any
+    repeat: bool = False  # the flag may be given several times
 
 
 def require(ok: bool, name: str, value: object, what: str) -> None:
@@ -79,7 +85,8 @@ def iter_settings(cls: type, prefix: tuple[str, ...] = ()) -> Iterator[SettingIn
             yield from iter_settings(hint, prefix + (f.name,))
             continue
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-        yield SettingInfo(prefix + (f.name,), flag, f.metadata["env"], f.default, f.metadata["help"], hint)
+        yield SettingInfo(prefix + (f.name,), flag, f.metadata["env"], f.default, f.metadata["help"], hint,
+                          f.metadata.get("repeat", False))
 
 
 def describe(cls: type) -> list[SettingInfo]:
@@ -132,6 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         extra: dict[str, Any] = {}
         if isinstance(base, type) and issubclass(base, enum.Enum):
             extra["choices"] = [m.value for m in base]
+        if info.repeat:
+            extra["action"] = "append"
         parser.add_argument(
             info.flag, dest="_".join(info.path), default=None, metavar=None if extra else info.path[-1].upper(),
             # argparse %-formats help strings: a literal "%" in a setting's help must be doubled.
@@ -145,6 +154,8 @@ def build(cls: type, args: argparse.Namespace | None = None, environ: Mapping[st
     values: dict[tuple[str, ...], Any] = {}
     for info in iter_settings(cls):
         raw = getattr(args, "_".join(info.path), None) if args is not None else None
+        if isinstance(raw, list):  # a repeated flag: its values, as one comma-separated setting
+            raw = ",".join(raw)
         if raw is not None:
             values[info.path] = _convert(info, str(raw), f"flag {info.flag}")
         elif info.env in environ:

@@ -87,3 +87,11 @@ class AttentionKernel(Choice):
     AUTO = "auto"
     NATIVE = "native"
     SDPA = "sdpa"
+
+
+class RoutingPolicy(Choice):
+    """Which backend ``epd proxy`` sends a request to (prefill_client/proxy/routing.py)."""
+
+    AFFINITY = "affinity"  # the conversation's backend while it is within the load bound
+    LEAST_OUTSTANDING = "least-outstanding"
+    ROUND_ROBIN = "round-robin"

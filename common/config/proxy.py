@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.config.builder import require, setting, settle_choices
-from common.config.choices import TransportKind
+from common.config.choices import RoutingPolicy, TransportKind
 from common.config.shared import DEFAULT_GRPC_PORT, TlsConfig
 
 DEFAULT_PROXY_PORT = 8000
+MAX_WORKERS = 64  # proxy processes on one port; more is a typo, not a plan
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,10 @@ class ProxyConfig:
         help="encoder targets, comma separated: HOST:PORT, dns:///NAME:PORT or file:PATH (as for epd prefill)")
     backends: tuple[str, ...] = setting(
         ("http://127.0.0.1:8100",), env="EPD_PROXY_BACKENDS", flag="--backend",
-        help="vLLM servers (running the EpdCacheConnector), comma separated base URLs; requests go round "
-             "robin, to the next one when one is unreachable")
+        help="vLLM servers (running the EpdCacheConnector), comma separated: http(s)://HOST:PORT base URLs, "
+             "dns:///NAME:PORT (http:// to every address of the name) or file:PATH (one URL, HOST:PORT or "
+             "dns:/// entry a line); names and files are read again every --membership-refresh-s. Which one "
+             "serves a request: --routing")
     host: str = setting("127.0.0.1", env="EPD_PROXY_HOST", help="listen address (0.0.0.0 in a pod)")
     port: int = setting(DEFAULT_PROXY_PORT, env="EPD_PROXY_PORT", help="listen port (0 picks a free one)")
     model_id: str | None = setting(
@@ -49,8 +52,48 @@ class ProxyConfig:
         None, env="EPD_WEIGHTS_DIGEST",
         help="vision weights digest the encoders must announce; others are refused and their items go elsewhere")
     membership_refresh_s: float = setting(
-        2.0, env="EPD_MEMBERSHIP_REFRESH_S", help="how often encoder targets and readiness are checked again")
+        2.0, env="EPD_MEMBERSHIP_REFRESH_S",
+        help="how often encoder targets and readiness, and dns:/// and file: backends, are checked again")
+    # --- routing across backends (prefill_client/proxy/routing.py) ---
+    routing: RoutingPolicy = setting(
+        RoutingPolicy.AFFINITY, env="EPD_PROXY_ROUTING",
+        help="which backend serves a request: affinity (the one its conversation's leading messages hash to, "
+             "for vLLM's prefix cache, while that one is within the load bound; else the next in the key's "
+             "order), least-outstanding (fewest requests in flight), or round-robin. Counts are per proxy "
+             "process")
+    affinity_load_factor: float = setting(
+        1.25, env="EPD_PROXY_AFFINITY_LOAD_FACTOR",
+        help="c of --routing affinity: a backend takes a request while its requests in flight, this one "
+             "included, are at most ceil(c x the average over the backends); >= 1 (1: strict balance)")
+    backend_retry_s: float = setting(
+        5.0, env="EPD_PROXY_BACKEND_RETRY_S",
+        help="a backend that refused a connection or timed out gets no requests for this long (unless every "
+             "backend is down); then one request tries it, and its answer brings it back")
+    backend_connect_timeout_s: float = setting(
+        5.0, env="EPD_PROXY_BACKEND_CONNECT_TIMEOUT_S",
+        help="deadline of connecting to a backend; past it the request goes to the next backend")
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # --- the front door: who may call, how many requests at once, how many processes ---
+    api_keys: tuple[str, ...] = setting(
+        (), env="EPD_PROXY_API_KEY", flag="--api-key", repeat=True, secret=True,
+        help="API keys a caller must send (Authorization: Bearer KEY) on every route but /health, /ready and "
+             "/metrics, checked before the body is read: comma separated, or the flag repeated (as vLLM's "
+             "--api-key). None here nor in --api-key-file: no key is asked. The caller's header goes on to the "
+             "backends: a vLLM started with --api-key must accept the same keys")
+    api_key_file: str | None = setting(
+        None, env="EPD_PROXY_API_KEY_FILE",
+        help="file of API keys, one a line (blank lines skipped), read at start; accepted besides --api-key")
+    max_inflight: int = setting(
+        256, env="EPD_PROXY_MAX_INFLIGHT",
+        help="requests one proxy process serves at once, from the key check until the answer is relayed "
+             "(streams included); past it a request is answered 429 with Retry-After: 1 at once, its body "
+             "unread. 0: no bound. 256 is vLLM's default max_num_seqs on GPUs under 70 GiB, and each request "
+             "in flight keeps its body and media in the proxy's memory: raise it with the backends' capacity "
+             "and the proxy's memory")
+    workers: int = setting(
+        1, env="EPD_PROXY_WORKERS",
+        help="proxy processes serving the one port (SO_REUSEPORT), sharing nothing else; the bounds and "
+             "counts above are per process, and each one's /metrics adds up all of them")
 
     def __post_init__(self) -> None:
         settle_choices(self)
@@ -59,7 +102,17 @@ class ProxyConfig:
         if self.model_id is not None:
             require(bool(self.model_id.strip()), "model_id", self.model_id, "must be non-empty when given")
         for url in self.backends:
-            require(url.startswith(("http://", "https://")), "backend", url, "must be an http(s):// URL")
+            require(url.startswith(("http://", "https://", "dns:///", "file:")), "backend", url,
+                    "must be an http(s):// URL, dns:///NAME:PORT or file:PATH")
+        require(self.affinity_load_factor >= 1, "affinity_load_factor", self.affinity_load_factor, "must be >= 1")
+        require(self.backend_retry_s >= 0, "backend_retry_s", self.backend_retry_s, "must be >= 0")
+        require(self.backend_connect_timeout_s > 0, "backend_connect_timeout_s", self.backend_connect_timeout_s,
+                "must be > 0")
         require(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535]")
         for name in ("media_fetch_timeout_s", "max_request_bytes", "backend_timeout_s", "rpc_timeout_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        for key in self.api_keys:
+            require(bool(key) and not any(c.isspace() for c in key), "api_key", "<redacted>",
+                    "must be non-empty, without spaces")
+        require(self.max_inflight >= 0, "max_inflight", self.max_inflight, "must be >= 0 (0: no bound)")
+        require(1 <= self.workers <= MAX_WORKERS, "workers", self.workers, f"must be in [1, {MAX_WORKERS}]")

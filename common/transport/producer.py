@@ -174,9 +174,18 @@ class ProducerTransport:
         response.transport = self.kind.value
         return response
 
+    @property
+    def collects_in_background(self) -> bool:
+        """Whether our poller collects the notifications: :meth:`drain_notifications` then only takes
+        what it collected (no agent call, no lock), cheap enough for an event loop."""
+        return self._poller is not None
+
     def drain_notifications(self) -> list[bytes]:
-        """Notifications that arrived since the last call (non-blocking); decode them, never trust them."""
-        if not self._closed:
+        """Notifications that arrived since the last call; decode them, never trust them.
+
+        Without our poller this first collects them from the agent, which may block.
+        """
+        if not self._closed and self._poller is None:
             self._collect()
         out: list[bytes] = []
         while True:

@@ -19,6 +19,9 @@ from common.wire import encoder_cache_pb2_grpc as pb2_grpc
 #       The handshake's stamp_region (per block: tag, then generation, 16 bytes)
 #       replaces tag_region and generation_region. ItemError carries the item's
 #       mm_hash; an item lost while its Encode ran is a per-item ABORTED.
+#   Added within 2, since a peer of before ignores them: MediaItem.cache_salt and
+#   HandshakeResponse.keys_cache_salt. A bump would refuse every older client; instead a
+#   consumer sends a salted item only to an encoder announcing keys_cache_salt.
 PROTOCOL_VERSION = 2
 
 SERVICE_NAME = "epd.v1.EncoderCacheService"

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x65pd/v1/encoder_cache.proto\x12\x06\x65pd.v1\"\xce\x01\n\x0b\x43\x61\x63heLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x0f\n\x07\x66\x61t_dim\x18\x03 \x01(\r\x12\x1c\n\x05\x64type\x18\x04 \x01(\x0e\x32\r.epd.v1.DType\x12\x18\n\x10scratch_block_id\x18\x05 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x06 \x01(\x04\x12\x17\n\x0fout_hidden_size\x18\x07 \x01(\r\x12\x1c\n\x14num_deepstack_levels\x18\x08 \x01(\r\"\x85\x01\n\x0cMemoryRegion\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x14\n\x0cstride_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\'\n\x0bmemory_type\x18\x05 \x01(\x0e\x32\x12.epd.v1.MemoryType\"\x81\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63onsumer_id\x18\x03 \x01(\t\x12,\n\x0f\x65xpected_layout\x18\x04 \x01(\x0b\x32\x13.epd.v1.CacheLayout\"\xef\x03\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12#\n\x06layout\x18\x06 \x01(\x0b\x32\x13.epd.v1.CacheLayout\x12+\n\rbuffer_region\x18\x07 \x01(\x0b\x32\x14.epd.v1.MemoryRegion\x12\x13\n\x0bmin_hold_ms\x18\n \x01(\r\x12\x14\n\x0clease_ttl_ms\x18\x0b \x01(\r\x12\x1a\n\x12\x63ompatibility_hash\x18\x0c \x01(\t\x12\x11\n\ttransport\x18\r \x01(\t\x12,\n\npreprocess\x18\x0e \x01(\x0b\x32\x18.epd.v1.PreprocessParams\x12*\n\x0cstamp_region\x18\x0f \x01(\x0b\x32\x14.epd.v1.MemoryRegion\x12\x16\n\x0eweights_digest\x18\x10 \x01(\t\x12\x12\n\nencoder_id\x18\x11 \x01(\t\x12\r\n\x05tower\x18\x12 \x01(\tJ\x04\x08\x08\x10\tJ\x04\x08\t\x10\nR\ntag_regionR\x11generation_region\"\xe2\x01\n\x10PreprocessParams\x12\x12\n\npatch_size\x18\x01 \x01(\r\x12\x12\n\nmerge_size\x18\x02 \x01(\r\x12\x1b\n\x13temporal_patch_size\x18\x03 \x01(\r\x12\x12\n\nmin_pixels\x18\x04 \x01(\x04\x12\x12\n\nmax_pixels\x18\x05 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x18\n\x10video_min_pixels\x18\x07 \x01(\x04\x12\x18\n\x10video_max_pixels\x18\x08 \x01(\x04\x12\x18\n\x10video_sample_fps\x18\t \x01(\x02\"*\n\x0bVideoFrames\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\"Y\n\tMediaItem\x12\x0f\n\x05image\x18\x01 \x01(\x0cH\x00\x12$\n\x05video\x18\x02 \x01(\x0b\x32\x13.epd.v1.VideoFramesH\x00\x12\x0c\n\x04uuid\x18\x03 \x01(\tB\x07\n\x05media\"\xb1\x02\n\x0cItemLocation\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x18\n\x10tokens_per_block\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\x03\x12\x12\n\ngeneration\x18\x06 \x01(\x03\x12\x10\n\x08lease_id\x18\x07 \x01(\x04\x12\x1c\n\x14lease_expiry_unix_ms\x18\x08 \x01(\x04\x12#\n\x06result\x18\t \x01(\x0e\x32\x13.epd.v1.CacheResult\x12\x10\n\x08grid_thw\x18\n \x03(\r\x12-\n\x0bplaceholder\x18\x0b \x03(\x0b\x32\x18.epd.v1.PlaceholderField\x12\x10\n\x08modality\x18\x0c \x01(\t\"\x83\x01\n\x10PlaceholderField\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12!\n\x04ints\x18\x03 \x01(\x0b\x32\x11.epd.v1.IntValuesH\x00\x12%\n\x06\x66loats\x18\x04 \x01(\x0b\x32\x13.epd.v1.FloatValuesH\x00\x42\x08\n\x06values\"\x1b\n\tIntValues\x12\x0e\n\x06values\x18\x01 \x03(\x03\"\x1d\n\x0b\x46loatValues\x12\x0e\n\x06values\x18\x01 \x03(\x01\";\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07mm_hash\x18\x03 \x01(\t\"s\n\nItemResult\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12(\n\x08location\x18\x02 \x01(\x0b\x32\x14.epd.v1.ItemLocationH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.epd.v1.ItemErrorH\x00\x42\t\n\x07outcome\"\x81\x01\n\rEncodeRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onsumer_id\x18\x02 \x01(\t\x12 \n\x05items\x18\x03 \x03(\x0b\x32\x11.epd.v1.MediaItem\x12\x16\n\x0eincarnation_id\x18\x04 \x01(\t\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\t\"M\n\x0e\x45ncodeResponse\x12#\n\x07results\x18\x01 \x03(\x0b\x32\x12.epd.v1.ItemResult\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\"r\n\rLookupRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onsumer_id\x18\x02 \x01(\t\x12\x11\n\tmm_hashes\x18\x03 \x03(\t\x12\x16\n\x0eincarnation_id\x18\x04 \x01(\t\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\t\"M\n\x0eLookupResponse\x12#\n\x07results\x18\x01 \x03(\x0b\x32\x12.epd.v1.ItemResult\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\"J\n\x0eReleaseRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x11\n\tlease_ids\x18\x02 \x03(\x04\x12\x10\n\x08\x63\x61ll_ids\x18\x03 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r*\\\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x03*U\n\nMemoryType\x12\x1b\n\x17MEMORY_TYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_TYPE_DRAM\x10\x01\x12\x14\n\x10MEMORY_TYPE_VRAM\x10\x02*X\n\x0b\x43\x61\x63heResult\x12\x1c\n\x18\x43\x41\x43HE_RESULT_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_RESULT_HIT\x10\x01\x12\x15\n\x11\x43\x41\x43HE_RESULT_MISS\x10\x02\x32\x85\x02\n\x13\x45ncoderCacheService\x12@\n\tHandshake\x12\x18.epd.v1.HandshakeRequest\x1a\x19.epd.v1.HandshakeResponse\x12\x37\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponse\x12\x37\n\x06Lookup\x12\x15.epd.v1.LookupRequest\x1a\x16.epd.v1.LookupResponse\x12:\n\x07Release\x12\x16.epd.v1.ReleaseRequest\x1a\x17.epd.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x65pd/v1/encoder_cache.proto\x12\x06\x65pd.v1\"\xce\x01\n\x0b\x43\x61\x63heLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x0f\n\x07\x66\x61t_dim\x18\x03 \x01(\r\x12\x1c\n\x05\x64type\x18\x04 \x01(\x0e\x32\r.epd.v1.DType\x12\x18\n\x10scratch_block_id\x18\x05 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x06 \x01(\x04\x12\x17\n\x0fout_hidden_size\x18\x07 \x01(\r\x12\x1c\n\x14num_deepstack_levels\x18\x08 \x01(\r\"\x85\x01\n\x0cMemoryRegion\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x14\n\x0cstride_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\'\n\x0bmemory_type\x18\x05 \x01(\x0e\x32\x12.epd.v1.MemoryType\"\x81\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63onsumer_id\x18\x03 \x01(\t\x12,\n\x0f\x65xpected_layout\x18\x04 \x01(\x0b\x32\x13.epd.v1.CacheLayout\"\x88\x04\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12#\n\x06layout\x18\x06 \x01(\x0b\x32\x13.epd.v1.CacheLayout\x12+\n\rbuffer_region\x18\x07 \x01(\x0b\x32\x14.epd.v1.MemoryRegion\x12\x13\n\x0bmin_hold_ms\x18\n \x01(\r\x12\x14\n\x0clease_ttl_ms\x18\x0b \x01(\r\x12\x1a\n\x12\x63ompatibility_hash\x18\x0c \x01(\t\x12\x11\n\ttransport\x18\r \x01(\t\x12,\n\npreprocess\x18\x0e \x01(\x0b\x32\x18.epd.v1.PreprocessParams\x12*\n\x0cstamp_region\x18\x0f \x01(\x0b\x32\x14.epd.v1.MemoryRegion\x12\x16\n\x0eweights_digest\x18\x10 \x01(\t\x12\x12\n\nencoder_id\x18\x11 \x01(\t\x12\r\n\x05tower\x18\x12 \x01(\t\x12\x17\n\x0fkeys_cache_salt\x18\x13 \x01(\x08J\x04\x08\x08\x10\tJ\x04\x08\t\x10\nR\ntag_regionR\x11generation_region\"\xe2\x01\n\x10PreprocessParams\x12\x12\n\npatch_size\x18\x01 \x01(\r\x12\x12\n\nmerge_size\x18\x02 \x01(\r\x12\x1b\n\x13temporal_patch_size\x18\x03 \x01(\r\x12\x12\n\nmin_pixels\x18\x04 \x01(\x04\x12\x12\n\nmax_pixels\x18\x05 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x18\n\x10video_min_pixels\x18\x07 \x01(\x04\x12\x18\n\x10video_max_pixels\x18\x08 \x01(\x04\x12\x18\n\x10video_sample_fps\x18\t \x01(\x02\"*\n\x0bVideoFrames\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\"m\n\tMediaItem\x12\x0f\n\x05image\x18\x01 \x01(\x0cH\x00\x12$\n\x05video\x18\x02 \x01(\x0b\x32\x13.epd.v1.VideoFramesH\x00\x12\x0c\n\x04uuid\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\tB\x07\n\x05media\"\xb1\x02\n\x0cItemLocation\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x18\n\x10tokens_per_block\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\x03\x12\x12\n\ngeneration\x18\x06 \x01(\x03\x12\x10\n\x08lease_id\x18\x07 \x01(\x04\x12\x1c\n\x14lease_expiry_unix_ms\x18\x08 \x01(\x04\x12#\n\x06result\x18\t \x01(\x0e\x32\x13.epd.v1.CacheResult\x12\x10\n\x08grid_thw\x18\n \x03(\r\x12-\n\x0bplaceholder\x18\x0b \x03(\x0b\x32\x18.epd.v1.PlaceholderField\x12\x10\n\x08modality\x18\x0c \x01(\t\"\x83\x01\n\x10PlaceholderField\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12!\n\x04ints\x18\x03 \x01(\x0b\x32\x11.epd.v1.IntValuesH\x00\x12%\n\x06\x66loats\x18\x04 \x01(\x0b\x32\x13.epd.v1.FloatValuesH\x00\x42\x08\n\x06values\"\x1b\n\tIntValues\x12\x0e\n\x06values\x18\x01 \x03(\x03\"\x1d\n\x0b\x46loatValues\x12\x0e\n\x06values\x18\x01 \x03(\x01\";\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07mm_hash\x18\x03 \x01(\t\"s\n\nItemResult\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12(\n\x08location\x18\x02 \x01(\x0b\x32\x14.epd.v1.ItemLocationH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.epd.v1.ItemErrorH\x00\x42\t\n\x07outcome\"\x81\x01\n\rEncodeRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onsumer_id\x18\x02 \x01(\t\x12 \n\x05items\x18\x03 \x03(\x0b\x32\x11.epd.v1.MediaItem\x12\x16\n\x0eincarnation_id\x18\x04 \x01(\t\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\t\"M\n\x0e\x45ncodeResponse\x12#\n\x07results\x18\x01 \x03(\x0b\x32\x12.epd.v1.ItemResult\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\"r\n\rLookupRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onsumer_id\x18\x02 \x01(\t\x12\x11\n\tmm_hashes\x18\x03 \x03(\t\x12\x16\n\x0eincarnation_id\x18\x04 \x01(\t\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\t\"M\n\x0eLookupResponse\x12#\n\x07results\x18\x01 \x03(\x0b\x32\x12.epd.v1.ItemResult\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\"J\n\x0eReleaseRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x11\n\tlease_ids\x18\x02 \x03(\x04\x12\x10\n\x08\x63\x61ll_ids\x18\x03 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r*\\\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x03*U\n\nMemoryType\x12\x1b\n\x17MEMORY_TYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_TYPE_DRAM\x10\x01\x12\x14\n\x10MEMORY_TYPE_VRAM\x10\x02*X\n\x0b\x43\x61\x63heResult\x12\x1c\n\x18\x43\x41\x43HE_RESULT_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_RESULT_HIT\x10\x01\x12\x15\n\x11\x43\x41\x43HE_RESULT_MISS\x10\x02\x32\x85\x02\n\x13\x45ncoderCacheService\x12@\n\tHandshake\x12\x18.epd.v1.HandshakeRequest\x1a\x19.epd.v1.HandshakeResponse\x12\x37\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponse\x12\x37\n\x06Lookup\x12\x15.epd.v1.LookupRequest\x1a\x16.epd.v1.LookupResponse\x12:\n\x07Release\x12\x16.epd.v1.ReleaseRequest\x1a\x17.epd.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.encoder_cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2576
-  _globals['_DTYPE']._serialized_end=2668
-  _globals['_MEMORYTYPE']._serialized_start=2670
-  _globals['_MEMORYTYPE']._serialized_end=2755
-  _globals['_CACHERESULT']._serialized_start=2757
-  _globals['_CACHERESULT']._serialized_end=2845
+  _globals['_DTYPE']._serialized_start=2621
+  _globals['_DTYPE']._serialized_end=2713
+  _globals['_MEMORYTYPE']._serialized_start=2715
+  _globals['_MEMORYTYPE']._serialized_end=2800
+  _globals['_CACHERESULT']._serialized_start=2802
+  _globals['_CACHERESULT']._serialized_end=2890
   _globals['_CACHELAYOUT']._serialized_start=39
   _globals['_CACHELAYOUT']._serialized_end=245
   _globals['_MEMORYREGION']._serialized_start=248
@@ -44,37 +44,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREQUEST']._serialized_start=384
   _globals['_HANDSHAKEREQUEST']._serialized_end=513
   _globals['_HANDSHAKERESPONSE']._serialized_start=516
-  _globals['_HANDSHAKERESPONSE']._serialized_end=1011
-  _globals['_PREPROCESSPARAMS']._serialized_start=1014
-  _globals['_PREPROCESSPARAMS']._serialized_end=1240
-  _globals['_VIDEOFRAMES']._serialized_start=1242
-  _globals['_VIDEOFRAMES']._serialized_end=1284
-  _globals['_MEDIAITEM']._serialized_start=1286
-  _globals['_MEDIAITEM']._serialized_end=1375
-  _globals['_ITEMLOCATION']._serialized_start=1378
-  _globals['_ITEMLOCATION']._serialized_end=1683
-  _globals['_PLACEHOLDERFIELD']._serialized_start=1686
-  _globals['_PLACEHOLDERFIELD']._serialized_end=1817
-  _globals['_INTVALUES']._serialized_start=1819
-  _globals['_INTVALUES']._serialized_end=1846
-  _globals['_FLOATVALUES']._serialized_start=1848
-  _globals['_FLOATVALUES']._serialized_end=1877
-  _globals['_ITEMERROR']._serialized_start=1879
-  _globals['_ITEMERROR']._serialized_end=1938
-  _globals['_ITEMRESULT']._serialized_start=1940
-  _globals['_ITEMRESULT']._serialized_end=2055
-  _globals['_ENCODEREQUEST']._serialized_start=2058
-  _globals['_ENCODEREQUEST']._serialized_end=2187
-  _globals['_ENCODERESPONSE']._serialized_start=2189
-  _globals['_ENCODERESPONSE']._serialized_end=2266
-  _globals['_LOOKUPREQUEST']._serialized_start=2268
-  _globals['_LOOKUPREQUEST']._serialized_end=2382
-  _globals['_LOOKUPRESPONSE']._serialized_start=2384
-  _globals['_LOOKUPRESPONSE']._serialized_end=2461
-  _globals['_RELEASEREQUEST']._serialized_start=2463
-  _globals['_RELEASEREQUEST']._serialized_end=2537
-  _globals['_RELEASERESPONSE']._serialized_start=2539
-  _globals['_RELEASERESPONSE']._serialized_end=2574
-  _globals['_ENCODERCACHESERVICE']._serialized_start=2848
-  _globals['_ENCODERCACHESERVICE']._serialized_end=3109
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1036
+  _globals['_PREPROCESSPARAMS']._serialized_start=1039
+  _globals['_PREPROCESSPARAMS']._serialized_end=1265
+  _globals['_VIDEOFRAMES']._serialized_start=1267
+  _globals['_VIDEOFRAMES']._serialized_end=1309
+  _globals['_MEDIAITEM']._serialized_start=1311
+  _globals['_MEDIAITEM']._serialized_end=1420
+  _globals['_ITEMLOCATION']._serialized_start=1423
+  _globals['_ITEMLOCATION']._serialized_end=1728
+  _globals['_PLACEHOLDERFIELD']._serialized_start=1731
+  _globals['_PLACEHOLDERFIELD']._serialized_end=1862
+  _globals['_INTVALUES']._serialized_start=1864
+  _globals['_INTVALUES']._serialized_end=1891
+  _globals['_FLOATVALUES']._serialized_start=1893
+  _globals['_FLOATVALUES']._serialized_end=1922
+  _globals['_ITEMERROR']._serialized_start=1924
+  _globals['_ITEMERROR']._serialized_end=1983
+  _globals['_ITEMRESULT']._serialized_start=1985
+  _globals['_ITEMRESULT']._serialized_end=2100
+  _globals['_ENCODEREQUEST']._serialized_start=2103
+  _globals['_ENCODEREQUEST']._serialized_end=2232
+  _globals['_ENCODERESPONSE']._serialized_start=2234
+  _globals['_ENCODERESPONSE']._serialized_end=2311
+  _globals['_LOOKUPREQUEST']._serialized_start=2313
+  _globals['_LOOKUPREQUEST']._serialized_end=2427
+  _globals['_LOOKUPRESPONSE']._serialized_start=2429
+  _globals['_LOOKUPRESPONSE']._serialized_end=2506
+  _globals['_RELEASEREQUEST']._serialized_start=2508
+  _globals['_RELEASEREQUEST']._serialized_end=2582
+  _globals['_RELEASERESPONSE']._serialized_start=2584
+  _globals['_RELEASERESPONSE']._serialized_end=2619
+  _globals['_ENCODERCACHESERVICE']._serialized_start=2893
+  _globals['_ENCODERCACHESERVICE']._serialized_end=3154
 # @@protoc_insertion_point(module_scope)

@@ -83,7 +83,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., consumer_id: _Optional[str] = ..., expected_layout: _Optional[_Union[CacheLayout, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "incarnation_id", "agent_name", "agent_metadata", "layout", "buffer_region", "min_hold_ms", "lease_ttl_ms", "compatibility_hash", "transport", "preprocess", "stamp_region", "weights_digest", "encoder_id", "tower")
+    __slots__ = ("protocol_version", "model_id", "incarnation_id", "agent_name", "agent_metadata", "layout", "buffer_region", "min_hold_ms", "lease_ttl_ms", "compatibility_hash", "transport", "preprocess", "stamp_region", "weights_digest", "encoder_id", "tower", "keys_cache_salt")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class HandshakeResponse(_message.Message):
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
     TOWER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     incarnation_id: str
@@ -116,7 +117,8 @@ class HandshakeResponse(_message.Message):
     weights_digest: str
     encoder_id: str
     tower: str
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., buffer_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., min_hold_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., transport: _Optional[str] = ..., preprocess: _Optional[_Union[PreprocessParams, _Mapping]] = ..., stamp_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., weights_digest: _Optional[str] = ..., encoder_id: _Optional[str] = ..., tower: _Optional[str] = ...) -> None: ...
+    keys_cache_salt: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., buffer_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., min_hold_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., transport: _Optional[str] = ..., preprocess: _Optional[_Union[PreprocessParams, _Mapping]] = ..., stamp_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., weights_digest: _Optional[str] = ..., encoder_id: _Optional[str] = ..., tower: _Optional[str] = ..., keys_cache_salt: _Optional[bool] = ...) -> None: ...
 
 class PreprocessParams(_message.Message):
     __slots__ = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "fingerprint", "video_min_pixels", "video_max_pixels", "video_sample_fps")
@@ -149,14 +151,16 @@ class VideoFrames(_message.Message):
     def __init__(self, frames: _Optional[_Iterable[bytes]] = ..., fps: _Optional[float] = ...) -> None: ...
 
 class MediaItem(_message.Message):
-    __slots__ = ("image", "video", "uuid")
+    __slots__ = ("image", "video", "uuid", "cache_salt")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     VIDEO_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     image: bytes
     video: VideoFrames
     uuid: str
-    def __init__(self, image: _Optional[bytes] = ..., video: _Optional[_Union[VideoFrames, _Mapping]] = ..., uuid: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, image: _Optional[bytes] = ..., video: _Optional[_Union[VideoFrames, _Mapping]] = ..., uuid: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ItemLocation(_message.Message):
     __slots__ = ("mm_hash", "block_ids", "tokens_per_block", "num_tokens", "fingerprint", "generation", "lease_id", "lease_expiry_unix_ms", "result", "grid_thw", "placeholder", "modality")

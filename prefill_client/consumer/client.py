@@ -444,6 +444,12 @@ class EncoderCacheClient:
 
     def _encode_admitted(self, conn: EncoderConnection, items: Sequence[MediaSpec]) -> list[pb2.ItemLocation]:
         """Encode, honouring RESOURCE_EXHAUSTED retry hints for at most one RPC timeout."""
+        if any(item.cache_salt for item in items):
+            conn.peer()
+            if not conn.keys_cache_salt:
+                # An encoder of before the salt would ignore it and answer the unsalted item's entry,
+                # shared with every tenant: the items go to the next encoder, as if this one were down.
+                raise EncoderDown(f"encoder {conn.target} does not key items by cache_salt (it predates the field)")
         give_up = time.monotonic() + self.rpc_timeout_s
         while True:
             try:

@@ -53,33 +53,43 @@ MIN_RELEASE_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True, slots=True)
 class MediaSpec:
-    """An item to encode, as the client sends it; its content digest is computed once, when first needed."""
+    """An item to encode, as the client sends it; its content digest is computed once, when first needed.
+
+    ``cache_salt``: the tenant's (vLLM's ``cache_salt``); the encoder keys the item by it too,
+    so tenants of different salts never share its entry. "" is none.
+    """
 
     kind: str  # "image" | "video"
     frames: tuple[bytes, ...]  # one entry for an image
     fps: float = 0.0
     uuid: str = ""
+    cache_salt: str = ""
     _key: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def key(self) -> str:
-        """The digest of the item's bytes (routing key, input of its mm_hash); memoized."""
+        """The digest of the item's bytes (routing key, input of its mm_hash); memoized.
+
+        Without the salt: the same bytes go to the same encoder whatever the tenant, which
+        keeps an encoder's share of the items when tenants are added.
+        """
         if self._key is None:
             object.__setattr__(self, "_key", media.content_hash(self.kind, self.frames, self.fps))
         assert self._key is not None
         return self._key
 
     @classmethod
-    def image(cls, data: bytes, uuid: str = "") -> MediaSpec:
-        return cls("image", (data,), 0.0, uuid)
+    def image(cls, data: bytes, uuid: str = "", cache_salt: str = "") -> MediaSpec:
+        return cls("image", (data,), 0.0, uuid, cache_salt)
 
     @classmethod
-    def video(cls, frames: Sequence[bytes], fps: float = 0.0, uuid: str = "") -> MediaSpec:
-        return cls("video", tuple(frames), fps, uuid)
+    def video(cls, frames: Sequence[bytes], fps: float = 0.0, uuid: str = "", cache_salt: str = "") -> MediaSpec:
+        return cls("video", tuple(frames), fps, uuid, cache_salt)
 
     def to_proto(self) -> pb2.MediaItem:
         if self.kind == "image":
-            return pb2.MediaItem(image=self.frames[0], uuid=self.uuid)
-        return pb2.MediaItem(video=pb2.VideoFrames(frames=self.frames, fps=self.fps), uuid=self.uuid)
+            return pb2.MediaItem(image=self.frames[0], uuid=self.uuid, cache_salt=self.cache_salt)
+        return pb2.MediaItem(video=pb2.VideoFrames(frames=self.frames, fps=self.fps), uuid=self.uuid,
+                             cache_salt=self.cache_salt)
 
 
 def content_key(item: MediaSpec) -> str:
@@ -105,6 +115,7 @@ def _length_delimited(field_number: int, size: int) -> bytes:
 _ITEMS_FIELD = pb2.EncodeRequest.DESCRIPTOR.fields_by_name["items"].number
 _IMAGE_FIELD = pb2.MediaItem.DESCRIPTOR.fields_by_name["image"].number
 _UUID_FIELD = pb2.MediaItem.DESCRIPTOR.fields_by_name["uuid"].number
+_SALT_FIELD = pb2.MediaItem.DESCRIPTOR.fields_by_name["cache_salt"].number
 
 
 def encode_request_bytes(model_id: str, consumer_id: str, incarnation_id: str, items: Sequence[MediaSpec],
@@ -125,9 +136,10 @@ def encode_request_bytes(model_id: str, consumer_id: str, incarnation_id: str, i
         if item.kind == "image":
             image = item.frames[0]
             inner = [_length_delimited(_IMAGE_FIELD, len(image)), image]
-            if item.uuid:
-                label = item.uuid.encode()
-                inner += [_length_delimited(_UUID_FIELD, len(label)), label]
+            for number, text in ((_UUID_FIELD, item.uuid), (_SALT_FIELD, item.cache_salt)):
+                if text:  # protobuf writes no empty string either
+                    data = text.encode()
+                    inner += [_length_delimited(number, len(data)), data]
         else:
             inner = [item.to_proto().SerializeToString()]
         parts += [_length_delimited(_ITEMS_FIELD, sum(len(p) for p in inner)), *inner]
@@ -187,14 +199,18 @@ def status_error(exc: grpc.RpcError) -> EpdError:
 
 
 class EncoderConnection:
-    """gRPC channel + handshake + NIXL peer for one encoder target."""
+    """gRPC channel + handshake + NIXL peer for one encoder target.
+
+    ``transport`` None: a connection that only asks :meth:`readiness` (the proxy's readiness
+    probe); it refuses to handshake.
+    """
 
     def __init__(
         self,
         target: str,
         model_id: str,
         consumer_id: str,
-        transport: ConsumerTransport,
+        transport: ConsumerTransport | None,
         metrics: PrefillMetrics,
         *,
         rpc_timeout_s: float,
@@ -231,6 +247,7 @@ class EncoderConnection:
         self._layout: CacheLayout | None = None
         self._media: tuple[media.PreprocessParams | None, str] | None = None
         self.tower = ""
+        self.keys_cache_salt = False  # announced by the current incarnation: it may be sent salted items
 
     @staticmethod
     def _open_channel(target: str, tls: TlsConfig) -> grpc.Channel:
@@ -286,6 +303,8 @@ class EncoderConnection:
             return self._peer
 
     def _handshake(self) -> None:
+        if self.transport is None:
+            raise HandshakeError(f"the connection to encoder {self.target} only asks readiness (no transport)")
         request = pb2.HandshakeRequest(
             protocol_version=PROTOCOL_VERSION, model_id=self.model_id, consumer_id=self.consumer_id)
         try:
@@ -310,6 +329,7 @@ class EncoderConnection:
         self.encoder_id = resp.encoder_id
         self._layout = layout
         self.tower = resp.tower  # its name, for messages; what it does is in what it announces
+        self.keys_cache_salt = resp.keys_cache_salt
         params = params_from_proto(resp.preprocess) if announces_params(resp.preprocess) else None
         self._media = (params, resp.preprocess.fingerprint)
         self.incarnation_id = resp.incarnation_id

@@ -82,15 +82,19 @@ class EncoderPool:
         *,
         refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S,
         health_timeout_s: float = HEALTH_TIMEOUT_S,
+        identify: bool = True,
     ) -> None:
         """Resolves ``specs`` now (a failure raises :class:`ConfigError`) and probes readiness once;
-        ``refresh_interval_s`` 0 never refreshes in the background (call :meth:`refresh`)."""
+        ``refresh_interval_s`` 0 never refreshes in the background (call :meth:`refresh`).
+        ``identify`` False: no handshake ever, only readiness (a pool that watches encoders for
+        another process's sake, as ``epd proxy``'s ``/ready`` does)."""
         if not refresh_interval_s >= 0:
             raise ConfigError(f"refresh interval must be >= 0 seconds, got {refresh_interval_s}")
         self.specs = tuple(specs)
         self.metrics = metrics
         self.refresh_interval_s = refresh_interval_s
         self.health_timeout_s = health_timeout_s
+        self._identifies = identify
         self._connect = connect
         self._lock = threading.Lock()  # membership changes; readers take a snapshot
         self._members: dict[str, _Member] = {t: _Member(connect(t)) for t in resolve_targets(self.specs)}
@@ -233,7 +237,7 @@ class EncoderPool:
         address; its own calls report the error.
         """
         members = list(self._members.values())
-        if len(members) <= 1:
+        if len(members) <= 1 or not self._identifies:
             return
         now = time.monotonic()
         for member in members:

@@ -37,48 +37,49 @@ def rendezvous_order(key: str, targets: Sequence[str], identity: Mapping[str, st
     return sorted(targets, key=lambda t: (score(t), t), reverse=True)
 
 
-def split_host_port(target: str) -> tuple[str, int]:
+def split_host_port(target: str, what: str = "encoder") -> tuple[str, int]:
     host, sep, port = target.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"encoder target {target!r} is not HOST:PORT")
+        raise ConfigError(f"{what} target {target!r} is not HOST:PORT")
     return host.strip("[]"), int(port)
 
 
-def _file_targets(path: str) -> list[str]:
+def file_targets(path: str, what: str = "encoder") -> list[str]:
+    """The entries of a ``file:`` list, one a line (``#`` starts a comment), not resolved."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read the encoder list {path!r}: {exc}") from exc
+        raise ConfigError(f"cannot read the {what} list {path!r}: {exc}") from exc
     lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
     found = [line for line in lines if line]
     if any(line.startswith("file:") for line in found):
-        raise ConfigError(f"encoder list {path!r} names another file; list HOST:PORT or dns:/// targets")
+        raise ConfigError(f"{what} list {path!r} names another file; list HOST:PORT or dns:/// targets")
     return found
 
 
-def resolve_targets(targets: Sequence[str]) -> list[str]:
+def resolve_targets(targets: Sequence[str], what: str = "encoder") -> list[str]:
     """Expand ``dns:///NAME:PORT`` into one ``ADDR:PORT`` per resolved address and ``file:PATH``
-    into the targets it lists (resolved the same way)."""
+    into the targets it lists (resolved the same way); ``what`` names them in errors."""
     out: list[str] = []
     expanded: list[str] = []
     for target in targets:
-        expanded += _file_targets(target[len("file:"):]) if target.startswith("file:") else [target]
+        expanded += file_targets(target[len("file:"):], what) if target.startswith("file:") else [target]
     for target in expanded:
         if target.startswith("dns:///"):
-            host, port = split_host_port(target[len("dns:///"):])
+            host, port = split_host_port(target[len("dns:///"):], what)
             try:
                 infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except socket.gaierror as exc:
-                raise ConfigError(f"cannot resolve encoder name {host!r}: {exc}") from exc
+                raise ConfigError(f"cannot resolve {what} name {host!r}: {exc}") from exc
             for info in infos:
                 addr = str(info[4][0])
                 entry = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
                 if entry not in out:
                     out.append(entry)
         else:
-            split_host_port(target)
+            split_host_port(target, what)
             if target not in out:
                 out.append(target)
     if not out:
-        raise ConfigError("no encoder targets given")
+        raise ConfigError(f"no {what} targets given")
     return out

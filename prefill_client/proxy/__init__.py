@@ -19,8 +19,9 @@ counts the placeholders, and the rows still come from the encoder.
 
 and the leased locations go in the request's ``ec_transfer_params``
 (:mod:`prefill_client.handoff`), where the backend's ``EpdCacheConnector`` finds them and
-pulls the rows, verified. The request then goes to a backend (round robin, the next one when one
-is unreachable) and its answer comes back as it is, streamed when it streams.
+pulls the rows, verified. The request then goes to a backend (by default the one its
+conversation's leading messages hash to, while that one is not overloaded; the next one when
+one is unreachable: :mod:`.routing`) and its answer comes back as it is, streamed when it streams.
 
 The model id sent in the encoder handshake is ``--model-id`` when given; else the request's
 ``model``, else the one model the backends' ``/v1/models`` lists (asked once): one
@@ -34,6 +35,11 @@ ids), no backend reachable 502. When a backend fails a request that carried item
 became of the items and says so in the error. The proxy keeps no state a restart would lose:
 leases it handed on end when the connector releases them, or at the encoder's lease ttl.
 
+Before any of that, the front door (:mod:`.front`): without a valid ``--api-key`` a request
+is 401, over ``--max-inflight`` it is 429 with ``Retry-After``, both before its body is read.
+``/health`` (liveness), ``/ready`` (an encoder ready and a backend healthy) and ``/metrics``
+are open.
+
 Reading path: ``app.py`` first (the routes and the chat handler, step by step), then the step
 you care about:
 
@@ -41,6 +47,10 @@ you care about:
 - ``clients.py``: the encoder client of a model id (made on first use, bounded, dropped when refused);
 - ``errors.py``: ``HttpError``, and the one table from the error tree to HTTP status and kind;
 - ``rewrite.py``: a part in vLLM's embeddings or data-URL form, and ``ec_transfer_params``;
-- ``backends.py``: which backend gets a request (round robin), and the models they serve;
-- ``cli.py``: ``epd proxy``'s arguments and serving until a signal.
+- ``backends.py``: the backends (resolved again while it runs), which are down, and the models they serve;
+- ``routing.py``: which backend gets a request (affinity with bounded load, least outstanding, round robin);
+- ``front.py``: API keys, the in-flight bound, and what each request and backend call counts as;
+- ``readiness.py``: ``/ready``, from the encoder pool's readiness probe and the backends' ``/health``;
+- ``cli.py``: ``epd proxy``'s arguments; ``serve.py``: serving until a signal; ``workers.py``:
+  ``--workers N`` processes on one port, and their parent.
 """

@@ -3,8 +3,10 @@
 ``POST /v1/chat/completions`` reads the request's media (:mod:`.media`), places them on the
 encoders in one ``Encode`` per encoder with the model id's client (:mod:`.clients`), rewrites
 the request (:mod:`.rewrite`) and forwards it to a backend (:mod:`.backends`), relaying its
-answer as it comes; ``GET /v1/models`` is forwarded; ``GET /health`` is the proxy's own.
-Errors are answers (:mod:`.errors`).
+answer as it comes; ``GET /v1/models`` is forwarded. Every such request first passes the front
+door (:mod:`.front`: its API key, the in-flight bound), before its body is read.
+``GET /health`` (liveness), ``GET /ready`` (:mod:`.readiness`) and ``GET /metrics`` are the
+proxy's own, and open. Errors are answers (:mod:`.errors`).
 """
 
 from __future__ import annotations
@@ -16,20 +18,30 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from common.config import ProxyConfig
 from common.errors import EncoderCallError, EpdError
+from common.metrics import ProxyMetrics
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.handoff import Placement
 from prefill_client.proxy.backends import Backends, error_message, passed_headers
 from prefill_client.proxy.clients import Clients, new_client
 from prefill_client.proxy.errors import ENCODE_FAILURES, FIXED_MODEL_SOURCE, UNAVAILABLE, HttpError, encode_rule
-from prefill_client.proxy.media import MediaReader, video_fps
+from prefill_client.proxy.front import Front, count_media_parts, load_api_keys
+from prefill_client.proxy.media import MediaReader, cache_salt, video_fps
+from prefill_client.proxy.readiness import Readiness
 from prefill_client.proxy.rewrite import Part, repeats, rewrite
+from prefill_client.proxy.routing import affinity_key, make_policy
 
 CHAT_PATH = "/v1/chat/completions"
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 MAX_MODEL_CHARS = 256  # as the encoder bounds the labels of a request
+# vLLM applies mm_processor_kwargs when it preprocesses media; here the encoders did, by their own settings.
+PROCESSOR_KWARGS_REFUSED = (
+    "mm_processor_kwargs is not supported by epd proxy: the encoders preprocess with their own settings (the "
+    "checkpoint's processor configuration), so the request's would not apply to its media; send the request "
+    "without mm_processor_kwargs")
 
 
 class Proxy:
@@ -37,32 +49,46 @@ class Proxy:
 
     ``client``: the one client of every request (``--model-id``), its caller's to close; without
     it, ``make_client(model_id)`` makes one per model id (default :func:`~.clients.new_client`),
-    closed here.
+    closed here. ``metrics``: what ``/metrics`` serves (a fresh registry by default);
+    ``readiness``: what ``/ready`` asks (default: ``cfg``'s encoders and the backends).
     """
 
     def __init__(self, cfg: ProxyConfig, client: EncoderCacheClient | None = None, *,
-                 make_client: Callable[[str], EncoderCacheClient] | None = None) -> None:
+                 make_client: Callable[[str], EncoderCacheClient] | None = None,
+                 metrics: ProxyMetrics | None = None, readiness: Readiness | None = None) -> None:
         self.cfg = cfg
+        self.metrics = metrics if metrics is not None else ProxyMetrics()
         self._clients = Clients(make_client or (lambda model: new_client(cfg, model)), client)
-        self._backends = Backends(cfg.backends)
+        self._backends = Backends(cfg.backends, make_policy(cfg.routing, cfg.affinity_load_factor),
+                                  retry_s=cfg.backend_retry_s, refresh_s=cfg.membership_refresh_s)
         self._media = MediaReader(cfg)
         self._session: aiohttp.ClientSession | None = None
+        self._front = Front(load_api_keys(cfg), cfg.max_inflight, self.metrics, lambda: self._backends.urls)
+        self._readiness = readiness or Readiness(cfg, lambda: self._backends.urls)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_request_bytes)
+        app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self._front.middleware])
         app.router.add_post(CHAT_PATH, self.chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_text)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
+        app.on_response_prepare.append(self._front.on_response_prepare)
         return app
 
     async def _start(self, app: web.Application) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.backend_timeout_s))
+        # aiohttp holds at most 100 connections by default: more streams than that would queue
+        # here, unseen. The in-flight bound is the bound (0: none, as aiohttp reads it too).
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.backend_timeout_s),
+                                              connector=aiohttp.TCPConnector(limit=self.cfg.max_inflight),
+                                              trace_configs=[self._front.trace_config()])
 
     async def _stop(self, app: web.Application) -> None:
         if self._session is not None:
             await self._session.close()
+        await self._readiness.close()
         await self._clients.close()
 
     @property
@@ -74,14 +100,25 @@ class Proxy:
     # --- handlers ----------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "encoders": list(self._clients.targets or self.cfg.encoders),
+        """Liveness: 200 while the process serves; ``ready`` is the last readiness check's (no wait)."""
+        state = self._readiness.peek()
+        return web.json_response({"status": "ok", "ready": state is not None and state.ready,
+                                  "encoders": list(self._clients.targets or self.cfg.encoders),
                                   "backends": list(self.cfg.backends), "models": self._clients.models})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """200 when an encoder is ready and a backend answers its health; 503 naming the side that is not."""
+        state = await self._readiness.state()
+        return web.json_response(state.body(), status=200 if state.ready else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         try:
             return await self._forward("GET", "/v1/models", None, request)
         except HttpError as exc:
-            return exc.response()
+            return self._front.refusal(exc)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -93,17 +130,22 @@ class Proxy:
                 raise HttpError(413, f"request body over {self.cfg.max_request_bytes} bytes") from exc
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise HttpError(400, "request body must be an object with a 'messages' list")
-            parts = await self._media.parts(body["messages"], video_fps(body), self.session)
+            media_items = count_media_parts(body["messages"])
+            self._front.media_read(media_items)
+            if media_items and body.get("mm_processor_kwargs"):
+                raise HttpError(400, PROCESSOR_KWARGS_REFUSED)
+            parts = await self._media.parts(body["messages"], video_fps(body), self.session, cache_salt(body))
             if not parts:  # nothing to encode: no encoder, no model id
                 return await self._forward("POST", CHAT_PATH, body, request)
             model, source = await self._model_id(body, request)
             async with self._clients.use(model) as client:
                 placements = await self._place(client, model, source, parts)
+                self._front.placed(placements)
                 client.release_placed(repeats(placements))  # the same image twice: one lease is enough
                 rewrite(body, parts, placements, client)
                 return await self._forward("POST", CHAT_PATH, body, request, client, placements)
         except HttpError as exc:
-            return exc.response()
+            return self._front.refusal(exc)
 
     # --- model id ----------------------------------------------------------------------------
 
@@ -132,7 +174,8 @@ class Proxy:
     async def _place(self, client: EncoderCacheClient, model: str, source: str,
                      parts: Sequence[Part]) -> list[Placement]:
         try:
-            return await asyncio.to_thread(client.place, [p.spec for p in parts])
+            with self.metrics.encode_latency.time():
+                return await asyncio.to_thread(client.place, [p.spec for p in parts])
         except ENCODE_FAILURES as exc:
             rule = encode_rule(exc)
             if rule.drops_client:  # the encoders refused the model id: it keeps no client
@@ -149,31 +192,38 @@ class Proxy:
         assert client is not None or not placements
         headers = passed_headers(request.headers)
         errors: list[str] = []
-        for base in self._backends.order():
-            try:
-                resp = await session.request(method, base + path, json=body, headers=headers)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                errors.append(f"{base}: {exc or type(exc).__name__}")
-                continue
-            if resp.status >= 400 and client is not None and placements:
-                # Refused or failed: its leases may never be pulled (a second release is harmless).
-                client.release_placed(placements)
-            async with resp:
-                if resp.status >= 500 and client is not None and placements:
-                    text = await resp.text()
-                    why = await asyncio.to_thread(self._diagnose, client, placements)
-                    raise HttpError(resp.status, f"backend {base} failed the request ({resp.status}: "
-                                                 f"{error_message(text)}); {why}", kind="server_error")
-                out = web.StreamResponse(status=resp.status, headers={
-                    k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS})
-                await out.prepare(request)
-                async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
+        timeout = aiohttp.ClientTimeout(total=self.cfg.backend_timeout_s,
+                                        sock_connect=self.cfg.backend_connect_timeout_s)
+        for base in self._backends.order(lambda: affinity_key(body)):
+            with self._backends.sending(base):  # outstanding until its answer is relayed
+                try:
+                    resp = await session.request(method, base + path, json=body, headers=headers, timeout=timeout)
+                except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                    why = str(exc) or type(exc).__name__
+                    errors.append(f"{base}: {why}")
+                    self._backends.failed(base, why)
+                    continue
+                self._backends.answered(base)
+                if resp.status >= 400 and client is not None and placements:
+                    # Refused or failed: its leases may never be pulled (a second release is harmless).
+                    client.release_placed(placements)
+                async with resp:
+                    if resp.status >= 500 and client is not None and placements:
+                        text = await resp.text()
+                        why = await asyncio.to_thread(self._diagnose, client, placements)
+                        raise HttpError(resp.status, f"backend {base} failed the request ({resp.status}: "
+                                                     f"{error_message(text)}); {why}", kind="server_error")
+                    out = web.StreamResponse(status=resp.status, headers={
+                        k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS})
+                    await out.prepare(request)
+                    async for chunk in resp.content.iter_any():
+                        await out.write(chunk)
+                    await out.write_eof()
+                    return out
         if client is not None:
             client.release_placed(placements)  # nobody will pull them
-        raise HttpError(502, f"no backend reachable ({'; '.join(errors)})", kind=UNAVAILABLE)
+        raise HttpError(502, f"no backend reachable ({'; '.join(errors) or self._backends.none_known()})",
+                        kind=UNAVAILABLE)
 
     def _diagnose(self, client: EncoderCacheClient, placements: Sequence[Placement]) -> str:
         """What became of a failed request's items, asked of their encoders (leases given back at once)."""

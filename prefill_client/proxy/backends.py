@@ -1,49 +1,163 @@
-"""The vLLM servers behind the proxy: which one gets a request, and the models they serve (proxy process)."""
+"""The vLLM servers behind the proxy: their list, which one gets a request, their models (proxy process).
+
+The list (``--backend``) holds base URLs, ``dns:///NAME:PORT`` names (a headless Service: one
+``http://ADDR:PORT`` per address) and ``file:PATH`` lists, resolved as the encoder targets are
+(:func:`prefill_client.consumer.routing.resolve_targets`) and again every refresh interval, in
+the background of the event loop; a resolution that fails keeps the last set. A backend that
+leaves the set keeps its requests in flight. A request tries the backends in the order of the
+routing policy (:mod:`.routing`) over those that take requests, then the ones marked down.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 
+from common.errors import ConfigError
+from prefill_client.consumer.routing import file_targets, resolve_targets
 from prefill_client.proxy.errors import UNAVAILABLE, HttpError
+from prefill_client.proxy.routing import Policy, RoundRobin
 
 logger = logging.getLogger(__name__)
 
 MODELS_TIMEOUT_S = 10.0  # deadline of asking a backend for /v1/models
+RESOLVE_TIMEOUT_S = 10.0  # deadline of resolving the backend list once (DNS, a file)
+DEFAULT_RETRY_S = 5.0
+DEFAULT_REFRESH_S = 2.0
 _PASSED_HEADERS = ("authorization", "x-request-id", "accept")
+_URL_SCHEMES = ("http://", "https://")
 
 
-class RoundRobin:
-    """The backend choice: every backend, from the next one in turn on (the first that answers serves)."""
+@dataclass(slots=True)
+class _Backend:
+    """One backend's state in this proxy process."""
 
-    def __init__(self, backends: Sequence[str]) -> None:
-        self._backends = tuple(backends)
-        self._next = itertools.cycle(range(len(self._backends)))
+    outstanding: int = 0  # requests sent and not yet answered in full
+    down_until: float | None = None  # marked down: no requests before then (None: up)
+    probes: int = 0  # requests trying it while it is down: no other until they are answered
 
-    def order(self) -> list[str]:
-        """Every backend's base URL, from the next one in the round robin on."""
-        start, count = next(self._next), len(self._backends)
-        return [self._backends[(start + k) % count].rstrip("/") for k in range(count)]
+    def takes_requests(self, now: float) -> bool:
+        return self.down_until is None or (self.down_until <= now and not self.probes)
 
 
 class Backends:
-    """The backends (base URLs), the order a request tries them in (``choice``, default
-    :class:`RoundRobin`), and the model names their ``/v1/models`` lists (asked once)."""
+    """The backends (base URLs, kept current), the order a request tries them in (``policy``, default
+    :class:`~.routing.RoundRobin`), their requests in flight and failures, and the model names their
+    ``/v1/models`` lists (asked once).
 
-    def __init__(self, urls: Sequence[str], choice: RoundRobin | None = None) -> None:
-        self.urls = tuple(urls)
-        self._choice = choice or RoundRobin(self.urls)
+    ``retry_s``: how long a backend that failed gets no requests; ``refresh_s``: how often
+    ``dns:///`` and ``file:`` entries are resolved again (0: never); ``clock``: seconds, monotonic.
+    """
+
+    def __init__(self, specs: Sequence[str], policy: Policy | None = None, *, retry_s: float = DEFAULT_RETRY_S,
+                 refresh_s: float = DEFAULT_REFRESH_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.specs = tuple(specs)
+        self.retry_s = retry_s
+        self.refresh_s = refresh_s
+        self._policy = policy or RoundRobin()
+        self._clock = clock
+        self._known: dict[str, _Backend] = {}
+        self._unresolved = ""  # why the list resolved to nothing yet
+        self._refreshing: asyncio.Task[None] | None = None
         self._served: list[str] | None = None  # the backends' /v1/models, once asked
         self._served_lock = asyncio.Lock()
+        # Plain URLs never change; names and files are read again.
+        self._dynamic = not all(spec.startswith(_URL_SCHEMES) for spec in self.specs)
+        self._next_refresh = clock() + refresh_s
+        try:
+            self._apply(resolve_backends(self.specs))
+        except ConfigError as exc:  # e.g. the Service has no pod yet: requests answer 502 until it has
+            self._unresolved = str(exc)
+            logger.warning("the backends did not resolve (%s); trying again every %.0f s", exc, refresh_s)
 
-    def order(self) -> list[str]:
-        """The base URLs to try for one request, the first choice first."""
-        return self._choice.order()
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every known backend's base URL, up or down, in the order resolved."""
+        return tuple(self._known)
+
+    def order(self, key: Callable[[], str] = lambda: "") -> list[str]:
+        """The base URLs to try for one request, the first choice first: the policy's order of the
+        backends that take requests, then those marked down, the soonest due first (tried only when
+        the others fail). ``key``: the request's affinity key, computed only when the policy asks.
+        Called on the event loop: it starts a background resolution when one is due."""
+        self._refresh_when_due()
+        now = self._clock()
+        known = dict(self._known)
+        up = [url for url, b in known.items() if b.takes_requests(now)]
+        down = sorted((url for url in known if url not in up), key=lambda url: known[url].down_until or 0.0)
+        return self._policy.order(up, {url: known[url].outstanding for url in up}, key) + down
+
+    @contextlib.contextmanager
+    def sending(self, url: str) -> Iterator[None]:
+        """Counts one request to ``url`` as outstanding while the block runs (sending it, relaying its
+        answer); a request to a backend marked down is its probe. A backend that leaves the list
+        meanwhile is counted on, unseen."""
+        backend = self._known.get(url) or _Backend()
+        probe = backend.down_until is not None
+        backend.outstanding += 1
+        backend.probes += probe
+        try:
+            yield
+        finally:
+            backend.outstanding -= 1
+            backend.probes -= probe
+
+    def failed(self, url: str, why: str) -> None:
+        """``url`` refused a connection or timed out: no requests for ``retry_s``; resolve the list
+        again soon (a pod that moved has a new address)."""
+        backend = self._known.get(url)
+        if backend is None:
+            return
+        if backend.down_until is None:
+            logger.warning("backend %s is down (%s); no requests for %.0f s", url, why, self.retry_s)
+        backend.down_until = self._clock() + self.retry_s
+        self._next_refresh = min(self._next_refresh, self._clock())
+
+    def answered(self, url: str) -> None:
+        """``url`` answered a request: it is up."""
+        backend = self._known.get(url)
+        if backend is not None and backend.down_until is not None:
+            logger.info("backend %s answers again", url)
+            backend.down_until = None
+
+    def none_known(self) -> str:
+        """Why no backend is known ("" when some are)."""
+        return "" if self._known else f"no backend known: {self._unresolved or 'the list resolved to none'}"
+
+    # --- the list ------------------------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Resolve the list again (in a thread: DNS blocks); a failure keeps the last set."""
+        try:
+            urls = await asyncio.wait_for(asyncio.to_thread(resolve_backends, self.specs), RESOLVE_TIMEOUT_S)
+        except (ConfigError, asyncio.TimeoutError) as exc:
+            self._unresolved = str(exc) or f"resolving took over {RESOLVE_TIMEOUT_S:.0f} s"
+            logger.warning("the backends did not resolve (%s); keeping %d known", self._unresolved,
+                           len(self._known))
+        else:
+            self._apply(urls)
+        finally:
+            self._next_refresh = self._clock() + self.refresh_s
+            self._refreshing = None
+
+    def _refresh_when_due(self) -> None:
+        if (self._dynamic and self.refresh_s > 0 and self._refreshing is None
+                and self._clock() >= self._next_refresh):
+            self._refreshing = asyncio.get_running_loop().create_task(self.refresh())
+
+    def _apply(self, urls: Sequence[str]) -> None:
+        added = [url for url in urls if url not in self._known]
+        gone = [url for url in self._known if url not in urls]
+        self._known = {url: self._known.get(url) or _Backend() for url in urls}
+        if added or gone:
+            logger.info("backends: %d known (added %s, left %s)", len(urls), added or "none", gone or "none")
 
     async def served_models(self, session: aiohttp.ClientSession, headers: Mapping[str, str]) -> list[str]:
         """The model names the backends' ``/v1/models`` lists (asked once; a failure is not kept)."""
@@ -71,8 +185,26 @@ class Backends:
                 continue
             logger.info("the backends serve %s", ", ".join(names) or "no model")
             return names
-        raise HttpError(502, f"'model' is not given and no backend listed its models ({'; '.join(errors)})",
+        raise HttpError(502, f"'model' is not given and no backend listed its models "
+                             f"({'; '.join(errors) or self.none_known()})",
                         kind=UNAVAILABLE)
+
+
+def resolve_backends(specs: Sequence[str]) -> list[str]:
+    """The base URLs of ``--backend``: an ``http(s)://`` URL as it is; ``dns:///NAME:PORT`` and
+    ``HOST:PORT`` as ``http://ADDR:PORT``, one per address; ``file:PATH``: the entries it lists."""
+    urls: list[str] = []
+    for spec in specs:
+        entries = file_targets(spec[len("file:"):], "backend") if spec.startswith("file:") else [spec]
+        for entry in entries:
+            if entry.startswith(_URL_SCHEMES):
+                found = [entry.rstrip("/")]
+            else:
+                found = ["http://" + target for target in resolve_targets([entry], "backend")]
+            urls += [url for url in found if url not in urls]
+    if not urls:
+        raise ConfigError("no backend listed")
+    return urls
 
 
 def passed_headers(headers: Mapping[str, str]) -> dict[str, str]:

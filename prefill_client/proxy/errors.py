@@ -27,6 +27,9 @@ from common.errors import (
 
 INVALID = "invalid_request_error"
 UNAVAILABLE = "service_unavailable"
+AUTHENTICATION = "authentication_error"
+RATE_LIMITED = "rate_limit_error"
+SERVER_ERROR = "server_error"  # a backend failed the request: its answer, explained
 FIXED_MODEL_SOURCE = "--model-id"  # where the model id came from when the proxy was started with one
 
 
@@ -93,7 +96,7 @@ def _hint(source: str) -> str:
 ENCODE_ERRORS: tuple[EncodeRule, ...] = (
     EncodeRule(InvalidMediaError, 400, INVALID, "{exc}"),
     EncodeRule(LimitExceededError, 400, INVALID, "{exc}"),
-    EncodeRule(CacheFullError, 429, "rate_limit_error", "{exc}", retry_after=True),
+    EncodeRule(CacheFullError, 429, RATE_LIMITED, "{exc}", retry_after=True),
     EncodeRule(ECLoadFailure, 503, UNAVAILABLE, "encoding failed: {exc}", when=_unreachable),
     EncodeRule(ECLoadFailure, 502, UNAVAILABLE, "encoding failed: {exc}"),
     EncodeRule(EncoderCallError, 503, UNAVAILABLE, "encoder error: {exc}"),  # "CODE: details"

@@ -4,6 +4,7 @@ An ``image_url`` part is a ``data:`` URL, a ``file://`` URL only under ``--allow
 or an ``http(s)://`` URL only for a host in ``--allow-remote-media``; a ``video_url`` part is
 vLLM's frame-sequence form (``data:video/jpeg;base64,FRAME,FRAME,...``) at
 ``media_io_kwargs.video.fps`` (default 1). Anything wrong is a 400 naming the part.
+Every item carries the request's ``cache_salt``, so the encoder keeps tenants' entries apart.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from prefill_client.consumer.connection import MediaSpec
 from prefill_client.proxy.errors import HttpError
 from prefill_client.proxy.rewrite import Part
 
+MAX_CACHE_SALT_CHARS = 256  # as the encoder bounds an item's cache_salt
+
 
 class MediaReader:
     """Reads media parts under the proxy's limits (``cfg``: sizes, deadlines, allowed files and hosts)."""
@@ -30,8 +33,10 @@ class MediaReader:
         self.cfg = cfg
         self._local_root = Path(cfg.allow_local_media).resolve() if cfg.allow_local_media else None
 
-    async def parts(self, messages: list[Any], video_fps: float, session: aiohttp.ClientSession) -> list[Part]:
-        """Every media part of ``messages``, read (``session`` fetches remote URLs)."""
+    async def parts(self, messages: list[Any], video_fps: float, session: aiohttp.ClientSession,
+                    cache_salt: str = "") -> list[Part]:
+        """Every media part of ``messages``, read (``session`` fetches remote URLs), each item under
+        the request's ``cache_salt`` ("" none)."""
         parts: list[Part] = []
         for m, message in enumerate(messages):
             content = message.get("content") if isinstance(message, dict) else None
@@ -44,11 +49,12 @@ class MediaReader:
                 kind = part.get("type")
                 if kind == "image_url":
                     data = await self._read_url(_part_url(part, kind, label), label, session)
-                    parts.append(Part(content, p, label, MediaSpec.image(data, uuid=label)))
+                    parts.append(Part(content, p, label, MediaSpec.image(data, uuid=label, cache_salt=cache_salt)))
                 elif kind == "video_url":
                     frames = _video_frames(_part_url(part, kind, label), label)
                     # fps 0: the encoder keeps every frame, as vLLM does with a frame sequence.
-                    parts.append(Part(content, p, label, MediaSpec.video(frames, 0.0, uuid=label), video_fps))
+                    spec = MediaSpec.video(frames, 0.0, uuid=label, cache_salt=cache_salt)
+                    parts.append(Part(content, p, label, spec, video_fps))
                 elif kind in ("input_audio", "audio_url"):
                     raise HttpError(400, f"{label}: {kind} parts are not supported by epd proxy (images and videos)")
         return parts
@@ -127,3 +133,24 @@ def video_fps(body: dict[str, Any]) -> float:
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
         raise HttpError(400, f"media_io_kwargs.video.fps must be a positive number, got {fps!r}")
     return float(fps)
+
+
+def cache_salt(body: dict[str, Any]) -> str:
+    """The request's ``cache_salt`` ("" when absent or null), left in the body for vLLM as it is.
+
+    vLLM refuses an empty or non-string salt too; refused here, nothing is encoded for a
+    request vLLM would refuse. Its own further rules (vLLM 0.32: at most 128 characters, no
+    ``@ / \\`` or NUL) stay vLLM's: its 400 comes back through the proxy.
+    """
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not salt:
+        raise HttpError(400, f"cache_salt must be a non-empty string, got {salt!r:.80}")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise HttpError(400, f"cache_salt is {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+    try:
+        salt.encode()
+    except UnicodeEncodeError as exc:  # a lone surrogate escaped in the JSON: no UTF-8 for the encoder
+        raise HttpError(400, f"cache_salt is not valid Unicode text ({exc.reason} at {exc.start})") from exc
+    return salt

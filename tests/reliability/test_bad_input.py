@@ -208,6 +208,8 @@ CASES = [
     Case("consumer id too long", lambda a: a.encode(consumer_id="c" * 1000, items=[pb2.MediaItem(image=GOOD)]),
          INVALID),
     Case("uuid too long", lambda a: a.encode(items=[pb2.MediaItem(image=GOOD, uuid="u" * 1000)]), INVALID),
+    Case("cache salt too long", lambda a: a.encode(items=[pb2.MediaItem(image=GOOD, cache_salt="s" * 257)]),
+         INVALID),
     Case("unknown lookups", lambda a: a.lookup(["0" * 32, "f" * 32]), NOT_FOUND),
     Case("lookup of a malformed hash", lambda a: a.lookup(["../../etc/passwd"]), INVALID),
     Case("too many lookups", lambda a: a.lookup(["0" * 32] * 1025), EXHAUSTED),
@@ -297,7 +299,8 @@ image_data = st.one_of(st.sampled_from(VALID_IMAGES), st.binary(max_size=2048),
                        st.sampled_from(VALID_IMAGES).map(lambda b: b[: len(b) // 2]))
 fps = st.one_of(st.just(0.0), st.floats(allow_nan=True, allow_infinity=True, width=32))
 media_items = st.one_of(
-    st.builds(lambda d, u: pb2.MediaItem(image=d, uuid=u), image_data, labels),
+    st.builds(lambda d, u, s: pb2.MediaItem(image=d, uuid=u, cache_salt=s), image_data, labels,
+              st.one_of(st.just(""), labels)),
     st.builds(lambda fr, f, u: pb2.MediaItem(video=pb2.VideoFrames(frames=fr, fps=f), uuid=u),
               st.lists(image_data, max_size=MAX_VIDEO_FRAMES + 2), fps, labels),
     st.builds(lambda u: pb2.MediaItem(uuid=u), labels),

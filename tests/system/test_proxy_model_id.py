@@ -5,11 +5,8 @@ error naming both ids. Real processes (mock transport), no vLLM."""
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,52 +18,11 @@ from epd_harness.procs import EncoderProcess, start_encoder
 from epd_harness.vllm import Server, chat_body, start_proxy
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.handoff import from_params
+from tests.support.fake_vllm import FakeVllm
 
 pytestmark = pytest.mark.timeout(240)
 
 SERVED = "my-vlm"  # what the encoder was started with, and the name the fake vLLM serves
-
-
-@dataclass
-class FakeVllm:
-    """An OpenAI server in a thread: lists ``SERVED`` on ``/v1/models``, records the chats it answers."""
-
-    chats: list[dict[str, Any]] = field(default_factory=list)
-    model_asks: int = 0
-
-    def __post_init__(self) -> None:
-        backend = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                backend.model_asks += 1
-                self._answer({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
-
-            def do_POST(self) -> None:
-                backend.chats.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
-                self._answer({"choices": [{"message": {"role": "assistant", "content": "ok"}}]})
-
-            def _answer(self, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
 
 
 @dataclass
@@ -82,7 +38,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # A short drain: the last test leaves a lease unpulled, which the encoder would wait for on SIGTERM.
     encoder = start_encoder(tmp, "--transport", "mock", "--model-id", SERVED, "--cache-blocks", "32",
                             "--drain-grace-s", "1")
-    backend = FakeVllm()
+    backend = FakeVllm(SERVED)
     proxy: Server | None = None
     try:
         proxy = start_proxy(tmp / "proxy.log", [encoder.target], [backend.url], "--transport", "mock")

@@ -213,6 +213,24 @@ def test_bad_media_is_400_naming_the_part(stack: Stack) -> None:
     assert _post(stack.proxy.url, chat_body(MODEL, [good], "still fine")).status_code == 200
 
 
+def test_tenants_cache_salts_keep_their_items_apart(stack: Stack) -> None:
+    """One image from two tenants: two encoder entries (each pulled by the connector under its own
+    salted uuid), each tenant's repeat encodes nothing, and every answer is plain vLLM's for the same
+    body (``cache_salt`` included: vLLM salts its prefix cache with it)."""
+    image = image_url(40, 192, 160)
+    before = scrape(stack.encoder.metrics_port)
+    for salt in ("tenant-a", "tenant-b", "tenant-a", "tenant-b"):
+        body = {**chat_body(MODEL, [image], "what is this?", max_tokens=10), "cache_salt": salt}
+        _assert_same(_post(stack.proxy.url, body), _post(stack.baseline.url, body), f"image under {salt}")
+    after = scrape(stack.encoder.metrics_port)
+    assert after.delta(before, "vllm_neuron:device_encoder_cache_misses_total") == 2
+    assert after.delta(before, "vllm_neuron:device_encoder_cache_queries_total") == 4
+    assert _load_failures(stack) == 0
+    bad = {**chat_body(MODEL, [image], "x"), "cache_salt": ""}
+    resp = _post(stack.proxy.url, bad)
+    assert resp.status_code == 400 and "cache_salt" in resp.json()["error"]["message"], resp.text
+
+
 def _held_request(stack: Stack, body: dict[str, Any]) -> tuple[threading.Thread, list[httpx.Response]]:
     """Send ``body`` through the gated proxy; return once the proxy encoded it and the gate holds it."""
     stack.gate.hold()

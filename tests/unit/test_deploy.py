@@ -34,7 +34,7 @@ from common.config import (
     TransportKind,
     describe,
 )
-from common.metrics import EncoderMetrics, PrefillMetrics
+from common.metrics import EncoderMetrics, PrefillMetrics, ProxyMetrics
 from encoder_server.vision.config import VisionConfig
 from prefill_client.reference.chat import load_requests
 from prefill_client.reference.cli import MAX_LINGER_S
@@ -364,9 +364,9 @@ def test_dockerfiles_match_the_manifests() -> None:
 
 
 def _exported_series() -> set[str]:
-    """Every series name the two processes export, as Prometheus sees it."""
+    """Every series name the processes export, as Prometheus sees it."""
     names: set[str] = set()
-    for metrics in (EncoderMetrics(), PrefillMetrics()):
+    for metrics in (EncoderMetrics(), PrefillMetrics(), ProxyMetrics()):
         for family in metrics.registry.collect():
             if family.type == "counter":
                 names.add(family.name + "_total")

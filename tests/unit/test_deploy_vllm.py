@@ -111,14 +111,32 @@ def test_proxy_reaches_the_encoders_and_the_vllm_service(rendered: dh.Rendered) 
     assert cfg.encoders == vllm_cfg.encoders and cfg.model_id == vllm_cfg.model_id
     assert cfg.host == "0.0.0.0" and _port(ctr, "http") == cfg.port
     (backend,) = cfg.backends
-    host, port = backend.removeprefix("http://").split(":")
+    # By DNS, so the proxy sees every vLLM pod (its routing is per pod): a headless Service.
+    host, port = backend.removeprefix("dns:///").split(":")
     svc, target = _service_target(rendered, host.split(".")[0], int(port))
     assert host == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc.cluster.local"
+    assert backend.startswith("dns:///") and svc["spec"].get("clusterIP") == "None"
     assert dh.selects(svc["spec"]["selector"], dh.template_labels(rendered.one("Deployment", "epd-vllm")))
     assert _port(vllm_ctr, target) == int(_arg(vllm_ctr["args"], "--port"))
     _, proxy_target = _service_target(rendered, "epd-proxy", 8000)
     assert _port(ctr, proxy_target) == cfg.port
-    assert ctr["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_proxy_probes_and_scrape(rendered: dh.Rendered) -> None:
+    """Ready once it can serve (/ready: an encoder ready, a backend healthy), alive on /health, scraped
+    on its http port; its API keys come from an optional Secret."""
+    workload, ctr, env = _workload(rendered, "Deployment", "epd-proxy", "proxy")
+    assert ctr["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert ctr["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    (keys,) = [e for e in ctr["env"] if e["name"] == "EPD_PROXY_API_KEY"]
+    assert keys["valueFrom"]["secretKeyRef"]["optional"] is True
+    (monitor,) = rendered.of_kind("PodMonitor")
+    assert dh.selects(monitor["spec"]["selector"]["matchLabels"], dh.template_labels(workload))
+    (endpoint,) = [e for e in monitor["spec"]["podMetricsEndpoints"] if e["port"] == "http"]
+    assert endpoint["path"] == "/metrics" and _port(ctr, "http") == build(ProxyConfig, None, env.values).port
+    (keep,) = endpoint["relabelings"]
+    assert keep["action"] == "keep" and keep["sourceLabels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_name"]
+    assert keep["regex"] == dh.template_labels(workload)["app.kubernetes.io/name"] == "epd-proxy"
 
 
 def test_env_names_are_settings_the_code_knows(rendered: dh.Rendered) -> None:

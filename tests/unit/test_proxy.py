@@ -508,3 +508,33 @@ def test_with_model_id_the_requests_model_is_not_the_handshakes() -> None:
 
     assert [s for s, _ in asyncio.run(go())] == [200, 200, 200]
     assert [c.model_id for c in encoders.made] == ["fixed-id"] and backend.model_asks == 0
+
+
+def test_the_cache_salt_goes_with_every_item_and_on_to_the_backend_unchanged() -> None:
+    client = FakeClient()
+    frames = {"type": "video_url", "video_url": {"url": "data:video/jpeg;base64,AAAA,AAAA"}}
+    body = {**_chat(_image(_data_url()), frames), "cache_salt": "tenant-a"}
+    status, _, _, seen = asyncio.run(_run(client, _ok, body))
+    assert status == 200 and seen[0]["cache_salt"] == "tenant-a"
+    assert [s.cache_salt for s in client.placed[0]] == ["tenant-a", "tenant-a"]
+    # Absent or null: no salt, and the body goes on as it came.
+    for extra in ({}, {"cache_salt": None}):
+        client = FakeClient()
+        status, _, _, seen = asyncio.run(_run(client, _ok, {**_chat(_image(_data_url())), **extra}))
+        assert status == 200 and [s.cache_salt for s in client.placed[0]] == [""]
+        assert seen[0].get("cache_salt", "absent") == extra.get("cache_salt", "absent")
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b'7', "cache_salt must be a non-empty string, got 7"),
+    (b'""', "cache_salt must be a non-empty string, got ''"),
+    (b'["a"]', "cache_salt must be a non-empty string"),
+    (b'"' + b"s" * 257 + b'"', "cache_salt is 257 characters; at most 256"),
+    (b'"\\ud800"', "cache_salt is not valid Unicode text"),
+])
+def test_bad_cache_salts_are_400_before_anything_is_encoded(raw: bytes, words: str) -> None:
+    client = FakeClient()
+    body = json.dumps(_chat(_image(_data_url())))[:-1].encode() + b', "cache_salt": ' + raw + b"}"
+    status, _, answer, seen = asyncio.run(_run(client, _ok, None, raw=body))
+    assert status == 400 and words in answer["error"]["message"], answer
+    assert not client.placed and not seen

@@ -47,7 +47,9 @@ def test_hand_framed_encode_request_parses_to_what_protobuf_builds(incarnation: 
 
     big = bytes(range(256)) * 1200  # a length that needs a three-byte varint
     items = [MediaSpec.image(b"\x89PNG small"), MediaSpec.image(big, uuid="label é"),
-             MediaSpec.video([b"f1", b"frame-two"], fps=2.5, uuid="clip"), MediaSpec.image(b"")]
+             MediaSpec.video([b"f1", b"frame-two"], fps=2.5, uuid="clip"), MediaSpec.image(b""),
+             MediaSpec.image(b"salted", cache_salt="tenant ü"), MediaSpec.image(big, uuid="both", cache_salt="s" * 300),
+             MediaSpec.video([b"f1"], fps=1.0, cache_salt="tenant-b")]
     framed = encode_request_bytes("model", "consumer", incarnation, items, call_id="call-7")
     built = wire.pb2.EncodeRequest(model_id="model", consumer_id="consumer", incarnation_id=incarnation,
                                    items=[i.to_proto() for i in items], call_id="call-7")
@@ -67,13 +69,13 @@ def test_encode_request_fast_path_reads_what_protobuf_reads() -> None:
 
     def normalized(view):  # memoryviews compare by content
         return (view.model_id, view.consumer_id, view.incarnation_id, view.call_id,
-                [(i.kind, tuple(bytes(f) for f in i.frames), i.fps, i.uuid) for i in view.items])
+                [(i.kind, tuple(bytes(f) for f in i.frames), i.fps, i.uuid, i.cache_salt) for i in view.items])
 
     texts = st.text(max_size=8)
     items = st.lists(st.one_of(
-        st.builds(lambda b, u: MediaSpec.image(b, uuid=u), st.binary(max_size=300), texts),
-        st.builds(lambda fs, u: MediaSpec.video(fs, fps=2.0, uuid=u), st.lists(st.binary(max_size=9), max_size=3),
-                  texts)), max_size=4)
+        st.builds(lambda b, u, s: MediaSpec.image(b, uuid=u, cache_salt=s), st.binary(max_size=300), texts, texts),
+        st.builds(lambda fs, u, s: MediaSpec.video(fs, fps=2.0, uuid=u, cache_salt=s),
+                  st.lists(st.binary(max_size=9), max_size=3), texts, texts)), max_size=4)
 
     @settings(max_examples=150, deadline=None)
     @given(texts, texts, texts, items, st.binary(max_size=12), texts)

@@ -1,0 +1,68 @@
+"""Serving the proxy's application in one process until a signal: the proxy, or one of its workers (proxy process)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+
+from aiohttp import web
+
+from common.config import ProxyConfig
+from common.metrics import ProxyMetrics
+
+logger = logging.getLogger(__name__)
+
+PARENT_POLL_S = 1.0  # how often a worker checks that its parent is still there
+
+
+def serve(cfg: ProxyConfig, port: int, started: Callable[[int], None], *, reuse_port: bool = False,
+          multiprocess_dir: str | None = None, parent_pid: int | None = None) -> None:
+    """Serve on ``cfg.host``:``port`` until a signal; ``started(port)`` once it listens (the port
+    bound, for ``port`` 0). ``reuse_port``: bind with SO_REUSEPORT, beside the other workers;
+    ``multiprocess_dir``: where the workers' metrics add up; ``parent_pid``: stop, as on a
+    signal, once that process is no longer this one's parent (it died without stopping us)."""
+    # Imported here: the parent of --workers runs no application, and need not load the encoder
+    # client (nor torch, which it imports).
+    from prefill_client.proxy.app import Proxy
+    from prefill_client.proxy.clients import new_client
+
+    # --model-id: one client, made now, for every request; else one per model id, made on first use.
+    client = new_client(cfg, cfg.model_id) if cfg.model_id is not None else None
+    try:
+        proxy = Proxy(cfg, client, metrics=ProxyMetrics(multiprocess_dir=multiprocess_dir))
+        asyncio.run(_run(proxy.app(), cfg.host, port, started, reuse_port, parent_pid))
+    finally:
+        if client is not None:
+            client.close()
+
+
+async def _run(app: web.Application, host: str, port: int, started: Callable[[int], None], reuse_port: bool,
+               parent_pid: int | None) -> None:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+        await site.start()
+        started(int(runner.addresses[0][1]) if runner.addresses else port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        watch = loop.create_task(_until_orphaned(parent_pid, stop)) if parent_pid is not None else None
+        await stop.wait()
+        if watch is not None:
+            watch.cancel()
+    finally:
+        await runner.cleanup()  # requests in flight get aiohttp's shutdown timeout to finish
+
+
+async def _until_orphaned(parent_pid: int, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            logger.error("the parent process %d is gone; stopping", parent_pid)
+            stop.set()
+            return
+        await asyncio.sleep(PARENT_POLL_S)

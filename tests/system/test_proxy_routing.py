@@ -1,0 +1,171 @@
+"""``epd proxy`` before two real vLLM backends (each with the connector, one encoder): a multi-turn image
+chat keeps its backend and that backend's prefix cache hits grow; with two of its requests in flight
+(the backend then frozen, so that they stay there) its next turn and a new conversation go to the
+other; once it is killed, every request goes to the one left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from epd_harness.media import image_url
+from epd_harness.procs import EncoderProcess, start_encoder
+from epd_harness.qwen3vl import write_qwen3vl_checkpoint
+from epd_harness.vllm import Server, connector_config, launch_vllm, start_proxy, stop_vllm, vllm_missing, wait_vllm
+from tests.support.scrape import scrape
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+
+MODEL = "tiny-qwen3-vl"
+# A byte-level tokenizer: this is about 400 tokens of shared prefix, several of vLLM's KV blocks.
+SYSTEM = "You answer questions about images. " * 12
+LONG_TOKENS = 3500  # still running when its backend is frozen (seconds of generation)
+WAIT_S = 60.0  # deadline of waiting for a backend's metrics to show a state
+TURN_BUSY_S = 60.0  # a turn while one backend is frozen: sent there by mistake, it would hang
+
+
+@dataclass
+class Stack:
+    encoder: EncoderProcess
+    backends: list[Server]
+    proxy: Server
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    reason = vllm_missing()
+    if reason:
+        pytest.skip(reason)
+    tmp = tmp_path_factory.mktemp("proxy-routing")
+    checkpoint = write_qwen3vl_checkpoint(tmp / "checkpoint", seed=7)
+    encoder = start_encoder(tmp, "--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL)
+    config = connector_config([encoder.target], MODEL, metrics_port=-1)
+    # Both engines start at once, each on its own core; their statistics feed /metrics (prefix cache hits).
+    backends = [launch_vllm(checkpoint, tmp / f"vllm-{i}.log", "--served-model-name", MODEL,
+                            "--ec-transfer-config", config, cpu_core=i, log_stats=True) for i in range(2)]
+    proxy: Server | None = None
+    try:
+        for backend in backends:
+            wait_vllm(backend)
+        proxy = start_proxy(tmp / "proxy.log", [encoder.target], [b.url for b in backends], "--model-id", MODEL,
+                            "--backend-retry-s", "60")
+        yield Stack(encoder, backends, proxy)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for backend in backends:
+            if backend.alive():  # frozen by the test when it failed before killing it
+                os.killpg(backend.proc.pid, signal.SIGCONT)
+            stop_vllm(backend)
+        encoder.terminate()
+
+
+def _total(server: Server, name: str) -> float:
+    """A vLLM metric summed over its label sets (engines, finish reasons)."""
+    samples = scrape(server.port).samples
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def _served(stack: Stack, backends: list[Server] | None = None) -> list[float]:
+    """Requests each backend (default: every one) finished."""
+    return [_total(b, "vllm:request_success_total") for b in backends or stack.backends]
+
+
+def _wait_until(what: str, done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _served_after(stack: Stack, before: list[float], count: int, backends: list[Server] | None = None) -> list[float]:
+    """How many requests each backend finished since ``before``, once ``count`` did in all (vLLM counts
+    a request in its metrics a moment after answering it)."""
+    _wait_until(f"{count} requests in the backends' metrics",
+                lambda: sum(_served(stack, backends)) >= sum(before) + count)
+    return [now - then for now, then in zip(_served(stack, backends), before, strict=True)]
+
+
+class Conversation:
+    """A chat about one image; every turn sends the whole history again, as chat clients do."""
+
+    def __init__(self, seed: int) -> None:
+        first = [{"type": "image_url", "image_url": {"url": image_url(seed, 224, 224)}},
+                 {"type": "text", "text": f"what is in picture {seed}?"}]
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
+                                               {"role": "user", "content": first}]
+
+    def body(self, **extra: Any) -> dict[str, Any]:
+        return {"model": MODEL, "messages": self.messages, "max_tokens": 6, "temperature": 0, **extra}
+
+    def turn(self, proxy: Server, question: str, timeout: float = 120.0) -> None:
+        resp = httpx.post(proxy.url + "/v1/chat/completions", json=self.body(), timeout=timeout)
+        assert resp.status_code == 200, resp.text
+        answer = resp.json()["choices"][0]["message"]["content"] or "?"
+        self.messages = [*self.messages, {"role": "assistant", "content": answer},
+                         {"role": "user", "content": question}]
+
+
+def _stream_long(proxy: Server, body: dict[str, Any], outcome: list[str]) -> None:
+    """A long streamed request, read until its backend is killed under it."""
+    try:
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", timeout=120.0,
+                          json={**body, "stream": True, "max_tokens": LONG_TOKENS, "ignore_eos": True}) as resp:
+            for _ in resp.iter_lines():
+                pass
+        outcome.append("ended")
+    except httpx.HTTPError as exc:
+        outcome.append(type(exc).__name__)
+
+
+def test_conversations_keep_their_backend_and_a_busy_or_dead_one_is_avoided(stack: Stack) -> None:
+    chat = Conversation(seed=1)
+    before = _served(stack)
+    chat.turn(stack.proxy, "and the colours?")
+    home = _served_after(stack, before, 1).index(1)
+    other = 1 - home
+    a, b = stack.backends[home], stack.backends[other]
+
+    # Every later turn re-sends the history: the same backend, whose prefix cache holds it.
+    for question in ("anything else?", "thanks"):
+        hits = _total(a, "vllm:prefix_cache_hits_total")
+        before = _served(stack)
+        chat.turn(stack.proxy, question)
+        assert _served_after(stack, before, 1)[home] == 1
+        _wait_until("a prefix cache hit of the turn",
+                    lambda hits=hits: _total(a, "vllm:prefix_cache_hits_total") > hits)
+
+    # Two long requests of the conversation hold its backend (within the load bound, both go there);
+    # then it is frozen, so that they stay in flight however long the next requests take.
+    outcomes: list[str] = []
+    long = [threading.Thread(target=_stream_long, args=(stack.proxy, chat.body(), outcomes), daemon=True)
+            for _ in range(2)]
+    for thread in long:
+        thread.start()
+    _wait_until("the long requests to run", lambda: _total(a, "vllm:num_requests_running") == 2)
+    os.killpg(a.proc.pid, signal.SIGSTOP)
+    # Over the bound now (ceil(1.25 x 3 / 2) = 2): the next turn and a new conversation go to the other.
+    before = _served(stack, [b])
+    chat.turn(stack.proxy, "still there?", timeout=TURN_BUSY_S)
+    Conversation(seed=2).turn(stack.proxy, "-", timeout=TURN_BUSY_S)
+    assert _served_after(stack, before, 2, [b]) == [2]
+
+    # The conversation's backend dies: its next turn, and new conversations, go to the one left.
+    os.killpg(a.proc.pid, signal.SIGKILL)
+    a.proc.wait(30)
+    before = _served(stack, [b])
+    chat.turn(stack.proxy, "hello?")
+    for seed in (3, 4):
+        Conversation(seed).turn(stack.proxy, "-")
+    assert _served_after(stack, before, 3, [b]) == [3]
+    for thread in long:
+        thread.join(30)
+    assert len(outcomes) == 2 and "ended" not in outcomes, outcomes  # cut off with their backend
