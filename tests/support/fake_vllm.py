@@ -1,4 +1,4 @@
-"""A fake vLLM OpenAI server for proxy tests: lists one model, answers its health, records the chats (test process)."""
+"""A fake vLLM OpenAI server for proxy tests: lists one model, answers its health, records and can hold the chats (test process)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,28 @@ from typing import Any
 @dataclass
 class FakeVllm:
     """An OpenAI server in a thread: lists ``served`` on ``/v1/models`` (``model_asks`` counts the
-    asks), answers ``/health`` as vLLM does (200, no body), records the chats it answers."""
+    asks), answers ``/health`` as vLLM does (no body) with ``health_status``, records each chat and
+    its Authorization header, and holds chats while :meth:`hold` is on (``arrived`` is set as one
+    comes in; at most ``HOLD_LIMIT_S``)."""
 
     served: str
+    health_status: int = 200
     chats: list[dict[str, Any]] = field(default_factory=list)
+    auth: list[str | None] = field(default_factory=list)
     model_asks: int = 0
+    arrived: threading.Event = field(default_factory=threading.Event)
+    _open: threading.Event = field(default_factory=threading.Event)
+
+    HOLD_LIMIT_S = 60.0
 
     def __post_init__(self) -> None:
+        self._open.set()
         backend = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 if self.path.startswith("/health"):
-                    self.send_response(200)
+                    self.send_response(backend.health_status)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
@@ -33,6 +42,9 @@ class FakeVllm:
 
             def do_POST(self) -> None:
                 backend.chats.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
+                backend.auth.append(self.headers.get("Authorization"))
+                backend.arrived.set()
+                backend._open.wait(backend.HOLD_LIMIT_S)
                 self._answer({"choices": [{"message": {"role": "assistant", "content": "ok"}}]})
 
             def _answer(self, body: dict[str, Any]) -> None:
@@ -53,6 +65,15 @@ class FakeVllm:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
+    def hold(self) -> None:
+        """Hold the chats that arrive from now on until :meth:`release`."""
+        self.arrived.clear()
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
     def close(self) -> None:
+        self._open.set()
         self._server.shutdown()
         self._server.server_close()

@@ -1,5 +1,5 @@
 """``epd proxy`` as a front door, real processes: a real ``epd encoder`` (mock transport) and a fake
-vLLM backend that can hold requests. API keys refuse a caller before any encoder is called, the
+vLLM backend that can hold requests (tests/support/fake_vllm.py). API keys refuse a caller before any encoder is called, the
 in-flight bound answers 429 at once, ``/ready`` waits for an encoder started after the proxy,
 ``mm_processor_kwargs`` with media is a 400, and ``/metrics`` counts exactly the requests sent,
 with ``--workers 2`` on one port (``--port 0``) too. No vLLM."""
@@ -14,8 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from epd_harness.ports import free_port
 from epd_harness.procs import EncoderProcess, launch_encoder, start_encoder
 from epd_harness.vllm import PROXY_LIMIT_S, Server, chat_body
 from epd_harness.waits import wait_ready
+from tests.support.fake_vllm import FakeVllm
 from tests.support.scrape import parse, scrape
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,68 +36,6 @@ KEY, FILE_KEY = "sk-flag", "sk-file"
 CHAT = "/v1/chat/completions"
 REQUEST_TIMEOUT_S = 60.0
 READY_WAIT_S = 30.0  # an encoder that is ready shows in /ready within a refresh and a cached answer
-
-
-@dataclass
-class Backend:
-    """A vLLM server in a thread: lists ``SERVED``, answers ``/health`` with ``health_status``,
-    records each chat and its Authorization header, and holds chats while :meth:`hold` is on."""
-
-    health_status: int = 200
-    chats: list[dict[str, Any]] = field(default_factory=list)
-    auth: list[str | None] = field(default_factory=list)
-    arrived: threading.Event = field(default_factory=threading.Event)
-    _open: threading.Event = field(default_factory=threading.Event)
-
-    HOLD_LIMIT_S = 60.0
-
-    def __post_init__(self) -> None:
-        self._open.set()
-        backend = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path == "/health":
-                    self._answer({}, backend.health_status)
-                else:
-                    self._answer({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
-
-            def do_POST(self) -> None:
-                backend.chats.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
-                backend.auth.append(self.headers.get("Authorization"))
-                backend.arrived.set()
-                backend._open.wait(backend.HOLD_LIMIT_S)
-                self._answer({"choices": [{"message": {"role": "assistant", "content": "ok"}}]})
-
-            def _answer(self, body: dict[str, Any], status: int = 200) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def hold(self) -> None:
-        self.arrived.clear()
-        self._open.clear()
-
-    def release(self) -> None:
-        self._open.set()
-
-    def close(self) -> None:
-        self._open.set()
-        self._server.shutdown()
-        self._server.server_close()
 
 
 @dataclass
@@ -116,7 +54,7 @@ class Front:
         return [json.loads(line)["proxy_port"] for line in lines if line.startswith('{"proxy_port"')]
 
 
-def start_front(tmp: Path, name: str, encoders: list[str], backend: Backend, *args: str) -> Front:
+def start_front(tmp: Path, name: str, encoders: list[str], backend: FakeVllm, *args: str) -> Front:
     """``epd proxy --port 0 ARGS`` (mock transport) in its own process group; waits for its port line."""
     out_path, log_path = tmp / f"{name}.out", tmp / f"{name}.log"
     cmd = [sys.executable, "-m", "common.cli", "proxy", "--encoder", ",".join(encoders), "--backend", backend.url,
@@ -178,8 +116,8 @@ def encoder(tmp: Path) -> Iterator[EncoderProcess]:
 
 
 @pytest.fixture
-def backend() -> Iterator[Backend]:
-    fake = Backend()
+def backend() -> Iterator[FakeVllm]:
+    fake = FakeVllm(SERVED)
     try:
         yield fake
     finally:
@@ -187,7 +125,7 @@ def backend() -> Iterator[Backend]:
 
 
 def test_without_a_valid_key_nothing_is_read_and_no_encoder_is_called(
-        tmp: Path, encoder: EncoderProcess, backend: Backend) -> None:
+        tmp: Path, encoder: EncoderProcess, backend: FakeVllm) -> None:
     keys = tmp / "keys"
     keys.write_text(f"\n{FILE_KEY}\n")
     front = start_front(tmp, "proxy-keys", [encoder.target], backend, "--api-key", KEY,
@@ -219,7 +157,7 @@ def test_without_a_valid_key_nothing_is_read_and_no_encoder_is_called(
         front.server.stop()
 
 
-def test_over_max_inflight_is_429_at_once(tmp: Path, encoder: EncoderProcess, backend: Backend) -> None:
+def test_over_max_inflight_is_429_at_once(tmp: Path, encoder: EncoderProcess, backend: FakeVllm) -> None:
     front = start_front(tmp, "proxy-inflight", [encoder.target], backend, "--api-key", KEY, "--max-inflight", "1")
     try:
         backend.hold()
@@ -245,7 +183,7 @@ def test_over_max_inflight_is_429_at_once(tmp: Path, encoder: EncoderProcess, ba
         front.server.stop()
 
 
-def test_not_ready_until_an_encoder_is(tmp: Path, backend: Backend) -> None:
+def test_not_ready_until_an_encoder_is(tmp: Path, backend: FakeVllm) -> None:
     port = free_port()
     front = start_front(tmp, "proxy-ready", [f"127.0.0.1:{port}"], backend, "--membership-refresh-s", "0.5")
     late: EncoderProcess | None = None
@@ -268,7 +206,7 @@ def test_not_ready_until_an_encoder_is(tmp: Path, backend: Backend) -> None:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_metrics_count_exactly_the_requests_sent(tmp: Path, encoder: EncoderProcess, backend: Backend,
+def test_metrics_count_exactly_the_requests_sent(tmp: Path, encoder: EncoderProcess, backend: FakeVllm,
                                                  workers: int) -> None:
     front = start_front(tmp, f"proxy-metrics-{workers}", [encoder.target], backend, "--api-key", KEY,
                         "--workers", str(workers))
@@ -312,7 +250,7 @@ def test_metrics_count_exactly_the_requests_sent(tmp: Path, encoder: EncoderProc
         socket.create_connection(("127.0.0.1", front.server.port), timeout=2.0).close()
 
 
-def test_workers_stop_when_their_parent_is_killed(tmp: Path, encoder: EncoderProcess, backend: Backend) -> None:
+def test_workers_stop_when_their_parent_is_killed(tmp: Path, encoder: EncoderProcess, backend: FakeVllm) -> None:
     front = start_front(tmp, "proxy-orphans", [encoder.target], backend, "--workers", "2")
     try:
         assert httpx.get(front.url + "/health", timeout=10.0).status_code == 200
