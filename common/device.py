@@ -12,6 +12,10 @@ import torch
 
 
 def settle(device: torch.device) -> None:
-    """Return once the work queued on ``device`` has run (nothing to wait for on the host)."""
+    """Return once the work this thread queued on ``device`` has run (nothing to wait for on the host).
+
+    The calling thread's current stream only, not the whole device: a consumer pulls in several
+    threads, and one pull's copy must not wait for another's.
+    """
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
