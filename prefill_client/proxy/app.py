@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -42,6 +43,10 @@ PROCESSOR_KWARGS_REFUSED = (
     "mm_processor_kwargs is not supported by epd proxy: the encoders preprocess with their own settings (the "
     "checkpoint's processor configuration), so the request's would not apply to its media; send the request "
     "without mm_processor_kwargs")
+# Threads that wait on the encoders' RPCs when --max-inflight sets no bound (asyncio's own pool
+# has os.cpu_count() + 4: on a small pod, a few slow encodes would queue every other request).
+UNBOUNDED_PLACE_THREADS = 256
+T = TypeVar("T")
 
 
 class Proxy:
@@ -65,6 +70,10 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
         self._front = Front(load_api_keys(cfg), cfg.max_inflight, self.metrics, lambda: self._backends.urls)
         self._readiness = readiness or Readiness(cfg, lambda: self._backends.urls)
+        # The encoder client's calls block: each request's wait on them runs here, one thread per
+        # request in flight at most (made as needed), so none waits for another's encode.
+        self._rpc_threads = ThreadPoolExecutor(max_workers=cfg.max_inflight or UNBOUNDED_PLACE_THREADS,
+                                               thread_name_prefix="epd-proxy-rpc")
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self._front.middleware])
@@ -90,6 +99,7 @@ class Proxy:
             await self._session.close()
         await self._readiness.close()
         await self._clients.close()
+        self._rpc_threads.shutdown(wait=False, cancel_futures=True)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -175,12 +185,16 @@ class Proxy:
                      parts: Sequence[Part]) -> list[Placement]:
         try:
             with self.metrics.encode_latency.time():
-                return await asyncio.to_thread(client.place, [p.spec for p in parts])
+                return await self._blocking(client.place, [p.spec for p in parts])
         except ENCODE_FAILURES as exc:
             rule = encode_rule(exc)
             if rule.drops_client:  # the encoders refused the model id: it keeps no client
                 self._clients.drop(model)
             raise rule.answer(exc, model, source) from exc
+
+    async def _blocking(self, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)`` on one of the proxy's RPC threads (the encoder client blocks), awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self._rpc_threads, call, *args)
 
     # --- forwarding --------------------------------------------------------------------------
 
@@ -210,7 +224,7 @@ class Proxy:
                 async with resp:
                     if resp.status >= 500 and client is not None and placements:
                         text = await resp.text()
-                        why = await asyncio.to_thread(self._diagnose, client, placements)
+                        why = await self._blocking(self._diagnose, client, placements)
                         raise HttpError(resp.status, f"backend {base} failed the request ({resp.status}: "
                                                      f"{error_message(text)}); {why}", kind="server_error")
                     out = web.StreamResponse(status=resp.status, headers={
