@@ -20,6 +20,7 @@ from common.errors import (
     EpdError,
     HandshakeError,
     InvalidMediaError,
+    InvalidRequestError,
     LimitExceededError,
     LoadFailureReason,
     WeightsMismatchError,
@@ -96,6 +97,8 @@ def _hint(source: str) -> str:
 ENCODE_ERRORS: tuple[EncodeRule, ...] = (
     EncodeRule(InvalidMediaError, 400, INVALID, "{exc}"),
     EncodeRule(LimitExceededError, 400, INVALID, "{exc}"),
+    # The encoder refused a field of the request's items (INVALID_ARGUMENT): the request's to fix.
+    EncodeRule(InvalidRequestError, 400, INVALID, "the encoders refused the request: {exc}"),
     EncodeRule(CacheFullError, 429, RATE_LIMITED, "{exc}", retry_after=True),
     EncodeRule(ECLoadFailure, 503, UNAVAILABLE, "encoding failed: {exc}", when=_unreachable),
     EncodeRule(ECLoadFailure, 502, UNAVAILABLE, "encoding failed: {exc}"),

@@ -29,6 +29,7 @@ from common.errors import (
     EpdError,
     HandshakeError,
     InvalidMediaError,
+    InvalidRequestError,
     LimitExceededError,
     LoadFailureReason,
     WeightsMismatchError,
@@ -172,6 +173,8 @@ def test_images_become_embeds_parts_with_their_locations() -> None:
      "refused the handshake for model 'tiny-qwen3-vl' (from --model-id): model_id mismatch: this encoder serves "
      "'my-vlm', request names 'tiny-qwen3-vl' (epd proxy's --model-id must be the encoders')"),
     (LimitExceededError("request has 40 items; at most 32"), 400, "request has 40 items; at most 32"),
+    (InvalidRequestError("item 0: cache_salt is 300 characters; at most 256"), 400,
+     "the encoders refused the request: item 0: cache_salt is 300 characters; at most 256"),
     (ECLoadFailure(LoadFailureReason.TIMEOUT, "h"), 502, "encoding failed: EC load failure (timeout) for mm_hash h"),
     (WeightsMismatchError("a:1", "d1", "d2"), 502,
      "encoding failed: encoder a:1 serves vision weights d2, this consumer expects d1"),
