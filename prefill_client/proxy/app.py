@@ -77,7 +77,7 @@ class Proxy:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self._front.middleware])
-        app.router.add_post(CHAT_PATH, self.chat)
+        app.router.add_post(CHAT_PATH, self.chat, expect_handler=self._front.expect)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)

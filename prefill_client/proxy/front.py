@@ -13,6 +13,9 @@ is fetched or any encoder is called:
 3. it is then in flight until its answer is relayed in full (a stream's too); its route,
    status and latency are counted when it ends.
 
+A caller that sends ``Expect: 100-continue`` hears steps 1 and 2's refusal instead of "100
+Continue" (:meth:`Front.expect`), so it never sends the body at all.
+
 What happens between the proxy and its backends (requests in flight per backend, the time to
 their answers' first byte, their failures) is counted by hooks on the HTTP client
 (:meth:`Front.trace_config`), in the context of the request that made the call, so the
@@ -142,13 +145,9 @@ class Front:
         if request.path in OPEN_PATHS:
             return await handler(request)
         route = _route(request)
-        if self.keys and not self.keys.allows(request.headers.get(hdrs.AUTHORIZATION)):
-            return self._turn_away(route, "auth", HttpError(
-                401, "a valid API key is required (Authorization: Bearer KEY)", kind=AUTHENTICATION))
-        if self.max_inflight and self.inflight >= self.max_inflight:
-            return self._turn_away(route, "inflight", HttpError(
-                429, f"epd proxy is serving {self.inflight} requests, its most (--max-inflight); retry after "
-                     f"{RETRY_AFTER_S} s", kind=RATE_LIMITED, headers={"Retry-After": str(RETRY_AFTER_S)}))
+        refused = self._refused(request, route)
+        if refused is not None:
+            return refused
         admitted = _Admitted(route, time.monotonic())
         token = _ADMITTED.set(admitted)
         self.inflight += 1
@@ -178,6 +177,33 @@ class Front:
             self.metrics.e2e_latency.labels(route=route).observe(time.monotonic() - admitted.started)
             if 400 <= status < 500 and admitted.media_items and not admitted.placed:
                 self.metrics.media_items.labels(outcome="refused").inc(admitted.media_items)
+
+    async def expect(self, request: web.Request) -> web.Response | None:
+        """(A route's ``expect_handler``) A request sent with ``Expect: 100-continue`` hears the
+        door's refusal instead of "100 Continue": its body is never asked for. Else it is asked
+        for, as aiohttp's own handler does, and the request then goes through :meth:`middleware`."""
+        refused = self._refused(request, _route(request))
+        if refused is not None:
+            return refused
+        expect = request.headers.get(hdrs.EXPECT, "")
+        if request.version != aiohttp.HttpVersion11:
+            return None
+        if expect.lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's own bytes start after it
+        return None
+
+    def _refused(self, request: web.Request, route: str) -> web.Response | None:
+        """The door's answer for a request it does not let in (no valid key; over the bound), or None."""
+        if self.keys and not self.keys.allows(request.headers.get(hdrs.AUTHORIZATION)):
+            return self._turn_away(route, "auth", HttpError(
+                401, "a valid API key is required (Authorization: Bearer KEY)", kind=AUTHENTICATION))
+        if self.max_inflight and self.inflight >= self.max_inflight:
+            return self._turn_away(route, "inflight", HttpError(
+                429, f"epd proxy is serving {self.inflight} requests, its most (--max-inflight); retry after "
+                     f"{RETRY_AFTER_S} s", kind=RATE_LIMITED, headers={"Retry-After": str(RETRY_AFTER_S)}))
+        return None
 
     def _turn_away(self, route: str, reason: str, error: HttpError) -> web.Response:
         self.metrics.rejections.labels(reason=reason).inc()

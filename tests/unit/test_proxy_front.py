@@ -245,6 +245,30 @@ def test_a_request_without_a_valid_key_is_401_before_its_body_is_read() -> None:
     _run(test)
 
 
+def test_expect_100_continue_hears_the_refusal_instead_of_continue() -> None:
+    async def ask(port: int, headers: str) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 2\r\nExpect: 100-continue\r\n{headers}\r\n".encode())
+            await writer.drain()
+            return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10.0)
+        finally:
+            writer.close()
+
+    async def test() -> None:
+        async with _front() as front:
+            port = front.http.server.port
+            assert port is not None
+            for headers in ("", "Authorization: Bearer sk-wrong\r\n"):
+                head = await ask(port, headers)
+                assert head.startswith(b"HTTP/1.1 401"), head  # no "100 Continue": the body is never sent
+            assert (await ask(port, f"Authorization: Bearer {KEY}\r\n")).startswith(b"HTTP/1.1 100 Continue")
+            assert front.client.placed == [] and front.backend.chats == []
+            assert front.metrics()[_key("epd_proxy_requests_total", {"route": CHAT, "code": "401"})] == 2
+    _run(test)
+
+
 def test_without_keys_every_caller_is_let_in() -> None:
     async def test() -> None:
         async with _front(api_keys=()) as front:
