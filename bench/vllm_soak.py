@@ -15,13 +15,21 @@ the plain server's answer to the same request. Every ``--fault-every-s`` one fau
 - ``evict``: fill an encoder's cache with new images (the items the proxy placed are evicted);
 - ``disconnect``: clients that hang up 50 ms into their request.
 
+Traffic goes through the proxy's front door as a deployment's would: with ``--api-key`` (every
+request carries the key; one in ``WRONG_KEY_EVERY`` carries a wrong one and must get 401), over
+``--workers 2`` proxy processes on one port, and from tenants of their own ``cache_salt`` (or
+none) sending the same images, so salted and unsalted items of one image live side by side.
+
 Reports requests, answers, failures by kind (the README's failure table: what the proxy said),
-faults of each kind, wrong answers (must be 0), engine restarts (must be 0: the consumer's
-engine process is the one it started with, and it still answers) and the consumer's RSS (its
-whole process group) after warm-up and at the end. Exit status 1 on a wrong answer or a dead engine.
+faults of each kind, wrong answers (must be 0), wrong-key requests and what they got (401 every
+one), the proxy's ``/metrics`` for both (its 401s equal the wrong keys sent; its 200s cover the
+answers), engine restarts (must be 0: the consumer's engine process is the one it started with,
+and it still answers) and each process's RSS (with its children: vLLM's engine, the proxy's
+workers) after warm-up and at the end. Exit status 1 on a wrong answer, a dead engine or a
+wrong key let in.
 
     python bench/vllm_soak.py                  # 3 minutes
-    python bench/vllm_soak.py --seconds 600
+    python bench/vllm_soak.py --seconds 600    # the 10-minute run of BENCHMARKS.md
     EPD_TEST_VLLM_SOAK_S=... pytest tests/system/test_vllm.py -k soak   # the bounded run in the suite
 
 The last line is one JSON object.
@@ -39,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,8 +73,11 @@ from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
 from prefill_client.consumer.connection import MediaSpec  # noqa: E402
 
 MODEL = "tiny-qwen3-vl"
+API_KEY = "soak-key"
 FAULTS = ("disconnect", "evict", "freeze", "kill")  # the slow one (a restart) last
 TEXTS = ("what is this?", "describe it", "and now?")
+TENANTS = ("", "tenant-a", "tenant-b")  # cache_salt of each tenant ("": none)
+WRONG_KEY_EVERY = 10  # one request of this many carries a wrong API key (when the proxy has one)
 # What the proxy says for each failure of the README's table (first match names the kind).
 FAILURE_KINDS = (
     ("evicted", "no longer on encoder"), ("encoder_unreachable", "unreachable"),
@@ -83,6 +94,8 @@ class Tally:
     requests: int = 0
     answered: int = 0
     wrong: int = 0
+    wrong_key: int = 0  # requests sent with a wrong API key
+    wrong_key_let_in: int = 0  # ... that got anything but 401
     failures: collections.Counter[str] = field(default_factory=collections.Counter)
     faults: collections.Counter[str] = field(default_factory=collections.Counter)
     examples: dict[str, str] = field(default_factory=dict)
@@ -126,20 +139,44 @@ class Reference:
         return got
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of ``pid``'s process group (vLLM's API server, engine core and workers)."""
-    total = 0
+def _parents() -> dict[int, int]:
+    """Every process's parent pid."""
+    out = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry)) != pid:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    out[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-            with open(f"/proc/{entry}/statm") as f:
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` and its descendants (vLLM's API server, engine core and workers;
+    the proxy's workers), in MiB."""
+    parents = _parents()
+    tree, grew = {pid}, True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    total = 0
+    for member in tree:
+        try:
+            with open(f"/proc/{member}/statm") as f:
                 total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ProcessLookupError, ValueError, IndexError):
+        except (OSError, ValueError, IndexError):
             continue
     return round(total / 2**20, 1)
+
+
+def metric_total(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples in a Prometheus exposition whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
 
 
 def engine_pids(pid: int) -> set[int]:
@@ -157,8 +194,13 @@ def engine_pids(pid: int) -> set[int]:
 
 def run_soak(*, proxy_url: str, reference_url: str, consumer: Server, encoders: Sequence[SoakEncoder],
              seconds: float, clients: int = 3, fault_every_s: float = 5.0, seed: int = 0,
+             api_key: str | None = None, others: Mapping[str, Server] | None = None,
              log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict[str, Any]:
-    """The soak against a running stack; returns the report (see the module's docstring)."""
+    """The soak against a running stack; returns the report (see the module's docstring).
+
+    ``api_key``: the proxy's key (None: it has none, and no wrong key is tried); ``others``: more
+    processes whose RSS the report gives, by name (the proxy, the reference server)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rng = random.Random(seed)
     images = [image_url(50_000 + i, rng.choice((64, 128, 192)), rng.choice((96, 160, 256))) for i in range(10)]
     videos = [video_url(60_000 + i, 3, 128, 160) for i in range(2)]
@@ -175,12 +217,27 @@ def run_soak(*, proxy_url: str, reference_url: str, consumer: Server, encoders: 
         key = json.dumps([[images.index(u) if u in images else -1 - videos.index(u) for u in media], text])
         return key, chat_body(MODEL, media, text, max_tokens=4)
 
+    def send_wrong_key(http: httpx.Client, body: dict[str, Any]) -> None:
+        resp = http.post(proxy_url + "/v1/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer not-{api_key}"})
+        with tally.lock:
+            tally.wrong_key += 1
+            tally.wrong_key_let_in += resp.status_code != 401
+
     def client(index: int) -> None:
         r = random.Random(seed * 1000 + index)
-        with httpx.Client(timeout=120.0) as http:
+        with httpx.Client(timeout=120.0, headers=headers) as http:
+            sent = 0
             while not stop.is_set():
                 key, body = pick(r)
-                want = reference.tokens(key, body)
+                want = reference.tokens(key, body)  # the reference knows no tenants: same answer
+                sent += 1
+                if api_key and sent % WRONG_KEY_EVERY == 0:
+                    send_wrong_key(http, body)
+                    continue
+                salt = r.choice(TENANTS)
+                if salt:
+                    body = {**body, "cache_salt": salt}
                 resp = http.post(proxy_url + "/v1/chat/completions", json=body)
                 with tally.lock:
                     tally.requests += 1
@@ -198,7 +255,7 @@ def run_soak(*, proxy_url: str, reference_url: str, consumer: Server, encoders: 
         for i in range(n):
             body = chat_body(MODEL, [image_url(70_000 + rng.randrange(10**6), 128, 128)], "bye", max_tokens=4)
             try:
-                httpx.post(proxy_url + "/v1/chat/completions", json=body, timeout=0.05)
+                httpx.post(proxy_url + "/v1/chat/completions", json=body, headers=headers, timeout=0.05)
             except httpx.TimeoutException:
                 pass
 
@@ -243,9 +300,14 @@ def run_soak(*, proxy_url: str, reference_url: str, consumer: Server, encoders: 
     for i, url in enumerate(images[:3]):
         body = chat_body(MODEL, [url], TEXTS[0], max_tokens=4)
         reference.tokens(json.dumps([[i], TEXTS[0]]), body)
-        httpx.post(proxy_url + "/v1/chat/completions", json=body, timeout=120.0)
+        httpx.post(proxy_url + "/v1/chat/completions", json=body, headers=headers, timeout=120.0)
+
+    def processes() -> dict[str, int]:
+        named = {"consumer": consumer.proc.pid, **{e.name: e.proc.proc.pid for e in encoders}}
+        return {**named, **{name: server.proc.pid for name, server in (others or {}).items()}}
+
     pids_start = engine_pids(consumer.proc.pid)
-    rss_start = rss_mb(consumer.proc.pid)
+    rss_start = {name: rss_mb(pid) for name, pid in processes().items()}
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
     threads.append(threading.Thread(target=faults, daemon=True))
     started = time.monotonic()
@@ -257,12 +319,21 @@ def run_soak(*, proxy_url: str, reference_url: str, consumer: Server, encoders: 
     elapsed = time.monotonic() - started
     alive = consumer.alive() and httpx.get(consumer.url + "/health", timeout=10).status_code == 200
     pids_end = engine_pids(consumer.proc.pid)
+    rss_end = {name: rss_mb(pid) for name, pid in processes().items()}
+    exposition = httpx.get(proxy_url + "/metrics", timeout=10.0).text
+    chats = {"route": "/v1/chat/completions"}
     return {
         "seconds": round(elapsed, 1), "clients": clients, "requests": tally.requests, "answered": tally.answered,
         "failures": dict(tally.failures), "faults": dict(tally.faults), "wrong_answers": tally.wrong,
         "wrong_examples": tally.wrong_examples[:5], "failure_examples": tally.examples,
         "engine_alive": alive, "engine_restarts": len(pids_end - pids_start) if alive else 1,
-        "rss_start_mb": rss_start, "rss_end_mb": rss_mb(consumer.proc.pid),
+        "wrong_key_sent": tally.wrong_key, "wrong_key_let_in": tally.wrong_key_let_in,
+        "proxy_metrics_401": metric_total(exposition, "epd_proxy_requests_total", code="401", **chats),
+        "proxy_metrics_200": metric_total(exposition, "epd_proxy_requests_total", code="200", **chats),
+        # The consumer's figures by their old names, and every process's (an encoder started
+        # again by a kill is a new process: its start figure is its predecessor's).
+        "rss_start_mb": rss_start["consumer"], "rss_end_mb": rss_end["consumer"],
+        "rss_mb": {name: {"start": rss_start.get(name), "end": rss_end[name]} for name in rss_end},
         "encoder_restarts": sum(e.restarts for e in encoders),
     }
 
@@ -274,6 +345,7 @@ def main() -> None:
     parser.add_argument("--fault-every-s", type=float, default=5.0)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the consumer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--proxy-workers", type=int, default=2, help="epd proxy --workers")
     args = parser.parse_args()
     reason = vllm_missing()
     if reason:
@@ -292,10 +364,11 @@ def main() -> None:
             pair = start_pair(tmp, MODEL, checkpoint, noise, targets, baseline_args=PIL_IMAGE_PROCESSOR,
                               tensor_parallel=args.tp, metrics_port=-1, pull_timeout_s=2.0, rpc_timeout_s=3.0)
             proxy = start_proxy(tmp / "proxy.log", targets, [pair.consumer.url], "--model-id", MODEL,
-                                "--rpc-timeout-s", "3")
+                                "--rpc-timeout-s", "3", "--api-key", API_KEY, "--workers", str(args.proxy_workers))
             report = run_soak(proxy_url=proxy.url, reference_url=pair.baseline.url, consumer=pair.consumer,
                               encoders=encoders, seconds=args.seconds, clients=args.clients,
-                              fault_every_s=args.fault_every_s, seed=args.seed)
+                              fault_every_s=args.fault_every_s, seed=args.seed, api_key=API_KEY,
+                              others={"proxy": proxy, "baseline": pair.baseline})
         finally:
             if proxy is not None:
                 proxy.stop()
@@ -304,8 +377,9 @@ def main() -> None:
             for e in encoders:
                 e.terminate()
     report["tensor_parallel"] = args.tp
+    report["proxy_workers"] = args.proxy_workers
     print(json.dumps(report))
-    sys.exit(1 if report["wrong_answers"] or not report["engine_alive"] else 0)
+    sys.exit(1 if report["wrong_answers"] or not report["engine_alive"] or report["wrong_key_let_in"] else 0)
 
 
 if __name__ == "__main__":

@@ -292,19 +292,20 @@ SOAK_S = float(os.environ.get("EPD_TEST_VLLM_SOAK_S", "10"))
 
 
 def test_soak_through_the_whole_stack(stack: Stack) -> None:
-    """Mixed image/video requests from three clients through a proxy over two encoders, with
-    encoder kills, SIGSTOPs, forced evictions and clients that hang up: every answer equals plain
-    vLLM's, the engine never dies, every failure is one the README names (``bench/vllm_soak.py``;
+    """Mixed image/video requests from three clients (tenants with and without a cache_salt, an API
+    key, now and then a wrong one) through a proxy over two encoders, with encoder kills, SIGSTOPs,
+    forced evictions and clients that hang up: every answer equals plain vLLM's, the engine never
+    dies, every failure is one the README names, every wrong key gets 401 (``bench/vllm_soak.py``;
     EPD_TEST_VLLM_SOAK_S sets the length, 10 s here and
     longer until every kind of fault was injected once)."""
     port = stack.encoder.port
     first = SoakEncoder(stack.tmp, (*stack.encoder_args, "--port", str(port)), "encoder-soak", stack.encoder)
     proxy = start_proxy(stack.tmp / "proxy-soak.log", [stack.encoder.target, stack.second.target],
-                        [stack.consumer.url], "--model-id", MODEL, "--rpc-timeout-s", "3")
+                        [stack.consumer.url], "--model-id", MODEL, "--rpc-timeout-s", "3", "--api-key", "soak-key")
     try:
         report = run_soak(proxy_url=proxy.url, reference_url=stack.baseline.url, consumer=stack.consumer,
                           encoders=[first, stack.second], seconds=SOAK_S, clients=3,
-                          fault_every_s=max(1.5, SOAK_S / 8))
+                          fault_every_s=max(1.5, SOAK_S / 8), api_key="soak-key", others={"proxy": proxy})
     finally:
         proxy.stop()
         stack.encoder = first.proc  # terminated with the stack
@@ -314,3 +315,7 @@ def test_soak_through_the_whole_stack(stack: Stack) -> None:
     assert report["answered"] >= 5, report
     assert set(report["faults"]) == {"kill", "freeze", "evict", "disconnect"}, report
     assert not [k for k in report["failures"] if k.endswith(":other")], report
+    # The front door held through the faults: every wrong key refused, and counted as refused.
+    assert report["wrong_key_let_in"] == 0, report
+    assert report["proxy_metrics_401"] == report["wrong_key_sent"], report
+    assert report["proxy_metrics_200"] >= report["answered"], report
