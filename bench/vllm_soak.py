@@ -270,7 +270,8 @@ def run_soak(*, proxy_url: str, reference_url: str, consumer: Server, encoders: 
             if stop.wait(fault_every_s):
                 return
             fault = FAULTS[n % len(FAULTS)]
-            target = encoders[n % len(encoders)]
+            # Each turn of FAULTS moves to the next encoder, so that every fault hits every encoder.
+            target = encoders[(n + n // len(FAULTS)) % len(encoders)]
             n += 1
             log(f"fault {n}: {fault} ({target.name}) at {time.monotonic() - start:.1f} s")
             if fault == "kill":
