@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,7 @@ class Server:
 
 
 def launch_vllm(model: Path, log_path: Path, *args: str, cpu_core: int | None = None,
-                tensor_parallel: int = 1, log_stats: bool = False) -> Server:
+                tensor_parallel: int = 1, log_stats: bool = False, extra_env: Mapping[str, str] | None = None) -> Server:
     """Start ``vllm serve MODEL`` on a free port without waiting (see :func:`wait_vllm`).
 
     ``cpu_core``: the core the CPU build's engine binds its OpenMP threads to. By default every
@@ -82,13 +82,13 @@ def launch_vllm(model: Path, log_path: Path, *args: str, cpu_core: int | None = 
     ``tensor_parallel``: ranks of the engine, each bound to its own core from ``cpu_core`` on
     (the CPU build refuses to bind several ranks to one NUMA node by itself).
     ``log_stats``: keep vLLM's statistics, and so the engine metrics on its ``/metrics`` (off: less work
-    per step).
+    per step). ``extra_env``: variables set for it besides :data:`VLLM_ENV`.
     """
     port = free_port()
     cmd = [sys.executable, "-m", "common.cli", "vllm", "serve", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len", "4096",
            "--max-num-seqs", "8", *([] if log_stats else ["--disable-log-stats"]), *args]
-    env = {**os.environ, **VLLM_ENV}
+    env = {**os.environ, **VLLM_ENV, **(extra_env or {})}
     cores = os.cpu_count() or 1
     if tensor_parallel > 1:
         cmd += ["--tensor-parallel-size", str(tensor_parallel)]
@@ -176,10 +176,12 @@ def connector_config(encoders: Sequence[str], model_id: str, **extra: Any) -> st
 
 
 def start_proxy(log_path: Path, encoders: Sequence[str], backends: Sequence[str], *args: str) -> Server:
-    """Start ``epd proxy`` on a free port and wait until it answers health."""
+    """Start ``epd proxy`` on a free port and wait until it answers health (no ``backends``: ``args``
+    name them, e.g. ``--prefill`` and ``--decode``)."""
     port = free_port()
     cmd = [sys.executable, "-m", "common.cli", "proxy", "--encoder", ",".join(encoders),
-           "--backend", ",".join(backends), "--host", "127.0.0.1", "--port", str(port), *args]
+           *(["--backend", ",".join(backends)] if backends else []), "--host", "127.0.0.1", "--port", str(port),
+           *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     server = Server(proc, port, log_path)

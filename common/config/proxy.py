@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from common.config.builder import require, setting, settle_choices
 from common.config.choices import RoutingPolicy, TransportKind
 from common.config.shared import DEFAULT_GRPC_PORT, TlsConfig
+from common.errors import ConfigError
 
 DEFAULT_PROXY_PORT = 8000
+DEFAULT_BACKEND = "http://127.0.0.1:8100"
 MAX_WORKERS = 64  # proxy processes on one port; more is a typo, not a plan
 
 
@@ -20,11 +22,20 @@ class ProxyConfig:
         (f"127.0.0.1:{DEFAULT_GRPC_PORT}",), env="EPD_ENCODERS", flag="--encoder",
         help="encoder targets, comma separated: HOST:PORT, dns:///NAME:PORT or file:PATH (as for epd prefill)")
     backends: tuple[str, ...] = setting(
-        ("http://127.0.0.1:8100",), env="EPD_PROXY_BACKENDS", flag="--backend",
+        (), env="EPD_PROXY_BACKENDS", flag="--backend",
         help="vLLM servers (running the EpdCacheConnector), comma separated: http(s)://HOST:PORT base URLs, "
              "dns:///NAME:PORT (http:// to every address of the name) or file:PATH (one URL, HOST:PORT or "
              "dns:/// entry a line); names and files are read again every --membership-refresh-s. Which one "
-             "serves a request: --routing")
+             f"serves a request: --routing. Unset: {DEFAULT_BACKEND}, unless --prefill and --decode are given")
+    prefill: tuple[str, ...] = setting(
+        (), env="EPD_PROXY_PREFILL", flag="--prefill",
+        help="prefill vLLM servers of a prefill/decode split (EpdCacheConnector and a KV connector as producer), "
+             "written as --backend; each request is prefilled on one (max_tokens 1), then decoded on one of "
+             "--decode with the KV the prefill handed over. Given together with --decode, and instead of --backend")
+    decode: tuple[str, ...] = setting(
+        (), env="EPD_PROXY_DECODE", flag="--decode",
+        help="decode vLLM servers of a prefill/decode split (a KV connector as consumer), written as --backend; "
+             "they serve /v1/models too. Given together with --prefill")
     host: str = setting("127.0.0.1", env="EPD_PROXY_HOST", help="listen address (0.0.0.0 in a pod)")
     port: int = setting(DEFAULT_PROXY_PORT, env="EPD_PROXY_PORT", help="listen port (0 picks a free one)")
     model_id: str | None = setting(
@@ -98,12 +109,13 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         settle_choices(self)
         require(bool(self.encoders), "encoders", self.encoders, "needs at least one target")
-        require(bool(self.backends), "backends", self.backends, "needs at least one URL")
+        self._settle_pools()
         if self.model_id is not None:
             require(bool(self.model_id.strip()), "model_id", self.model_id, "must be non-empty when given")
-        for url in self.backends:
-            require(url.startswith(("http://", "https://", "dns:///", "file:")), "backend", url,
-                    "must be an http(s):// URL, dns:///NAME:PORT or file:PATH")
+        for name, urls in (("backend", self.backends), ("prefill", self.prefill), ("decode", self.decode)):
+            for url in urls:
+                require(url.startswith(("http://", "https://", "dns:///", "file:")), name, url,
+                        "must be an http(s):// URL, dns:///NAME:PORT or file:PATH")
         require(self.affinity_load_factor >= 1, "affinity_load_factor", self.affinity_load_factor, "must be >= 1")
         require(self.backend_retry_s >= 0, "backend_retry_s", self.backend_retry_s, "must be >= 0")
         require(self.backend_connect_timeout_s > 0, "backend_connect_timeout_s", self.backend_connect_timeout_s,
@@ -116,3 +128,22 @@ class ProxyConfig:
                     "must be non-empty, without spaces")
         require(self.max_inflight >= 0, "max_inflight", self.max_inflight, "must be >= 0 (0: no bound)")
         require(1 <= self.workers <= MAX_WORKERS, "workers", self.workers, f"must be in [1, {MAX_WORKERS}]")
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether requests are prefilled on ``prefill`` and decoded on ``decode`` (else served by ``backends``)."""
+        return bool(self.prefill)
+
+    def _settle_pools(self) -> None:
+        """Either ``backends`` (its default when unset) or ``prefill`` and ``decode`` together."""
+        if not self.prefill and not self.decode:
+            if not self.backends:
+                object.__setattr__(self, "backends", (DEFAULT_BACKEND,))
+            return
+        if self.backends:
+            raise ConfigError(f"--backend excludes --prefill and --decode (a request is served by one backend, or "
+                              f"prefilled and decoded on two): got backend {list(self.backends)}, prefill "
+                              f"{list(self.prefill)}, decode {list(self.decode)}")
+        if not self.prefill or not self.decode:
+            raise ConfigError(f"--prefill and --decode go together (a prefill hands its KV to a decode): got "
+                              f"prefill {list(self.prefill)}, decode {list(self.decode)}")

@@ -48,6 +48,8 @@ you care about:
 - ``errors.py``: ``HttpError``, and the one table from the error tree to HTTP status and kind;
 - ``rewrite.py``: a part in vLLM's embeddings or data-URL form, and ``ec_transfer_params``;
 - ``backends.py``: the backends (resolved again while it runs), which are down, and the models they serve;
+- ``disagg.py``: with ``--prefill``/``--decode``, each request prefilled on one vLLM (one token, its KV
+  kept), then decoded on another with the prefill's ``kv_transfer_params``;
 - ``routing.py``: which backend gets a request (affinity with bounded load, least outstanding, round robin);
 - ``front.py``: API keys, the in-flight bound, and what each request and backend call counts as;
 - ``readiness.py``: ``/ready``, from the encoder pool's readiness probe and the backends' ``/health``;

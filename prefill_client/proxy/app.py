@@ -28,6 +28,7 @@ from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.handoff import Placement
 from prefill_client.proxy.backends import Backends, error_message, passed_headers
 from prefill_client.proxy.clients import Clients, new_client
+from prefill_client.proxy.disagg import Disaggregated
 from prefill_client.proxy.errors import ENCODE_FAILURES, FIXED_MODEL_SOURCE, UNAVAILABLE, HttpError, encode_rule
 from prefill_client.proxy.front import Front, count_media_parts, load_api_keys
 from prefill_client.proxy.media import MediaReader, cache_salt, video_fps
@@ -64,12 +65,17 @@ class Proxy:
         self.cfg = cfg
         self.metrics = metrics if metrics is not None else ProxyMetrics()
         self._clients = Clients(make_client or (lambda model: new_client(cfg, model)), client)
-        self._backends = Backends(cfg.backends, make_policy(cfg.routing, cfg.affinity_load_factor),
+        # With --prefill/--decode the decode pool is the backends (/v1/models), the prefill pool the split's own.
+        self._backends = Backends(cfg.backends or cfg.decode, make_policy(cfg.routing, cfg.affinity_load_factor),
                                   retry_s=cfg.backend_retry_s, refresh_s=cfg.membership_refresh_s)
+        self._disagg = Disaggregated(cfg, self._backends, lambda: self.session, lambda c, p: self._blocking(
+            self._diagnose, c, p)) if cfg.disaggregated else None
         self._media = MediaReader(cfg)
         self._session: aiohttp.ClientSession | None = None
-        self._front = Front(load_api_keys(cfg), cfg.max_inflight, self.metrics, lambda: self._backends.urls)
-        self._readiness = readiness or Readiness(cfg, lambda: self._backends.urls)
+        self._front = Front(load_api_keys(cfg), cfg.max_inflight, self.metrics, lambda: self._backends.urls + (
+            self._disagg.prefill.urls if self._disagg is not None else ()))
+        self._readiness = readiness or Readiness(
+            cfg, self._disagg.pools if self._disagg is not None else lambda: self._backends.urls)
         # The encoder client's calls block: each request's wait on them runs here, one thread per
         # request in flight at most (made as needed), so none waits for another's encode.
         self._rpc_threads = ThreadPoolExecutor(max_workers=cfg.max_inflight or UNBOUNDED_PLACE_THREADS,
@@ -114,7 +120,9 @@ class Proxy:
         state = self._readiness.peek()
         return web.json_response({"status": "ok", "ready": state is not None and state.ready,
                                   "encoders": list(self._clients.targets or self.cfg.encoders),
-                                  "backends": list(self.cfg.backends), "models": self._clients.models})
+                                  "backends": list(self.cfg.backends), "models": self._clients.models,
+                                  **({"prefill": list(self.cfg.prefill), "decode": list(self.cfg.decode)}
+                                     if self._disagg is not None else {})})
 
     async def ready(self, request: web.Request) -> web.Response:
         """200 when an encoder is ready and a backend answers its health; 503 naming the side that is not."""
@@ -146,6 +154,8 @@ class Proxy:
                 raise HttpError(400, PROCESSOR_KWARGS_REFUSED)
             parts = await self._media.parts(body["messages"], video_fps(body), self.session, cache_salt(body))
             if not parts:  # nothing to encode: no encoder, no model id
+                if self._disagg is not None:  # prefill on one vLLM, decode on another
+                    return await self._disagg.chat(body, request)
                 return await self._forward("POST", CHAT_PATH, body, request)
             model, source = await self._model_id(body, request)
             async with self._clients.use(model) as client:
@@ -153,6 +163,8 @@ class Proxy:
                 self._front.placed(placements)
                 client.release_placed(repeats(placements))  # the same image twice: one lease is enough
                 rewrite(body, parts, placements, client)
+                if self._disagg is not None:
+                    return await self._disagg.chat(body, request, client, placements)
                 return await self._forward("POST", CHAT_PATH, body, request, client, placements)
         except HttpError as exc:
             return self._front.refusal(exc)

@@ -9,7 +9,8 @@ for a new one (a liveness probe must not fail because a check is slow).
   ``--membership-refresh-s``), over connections that only ask readiness: no handshake, no
   transport, no model id, so it works before the first request made an encoder client.
 - **Backends**: each known backend's ``GET /health`` (vLLM answers 200 while its engine is
-  alive), all at once within :data:`BACKEND_PROBE_TIMEOUT_S`.
+  alive), all at once within :data:`BACKEND_PROBE_TIMEOUT_S`. With ``--prefill``/``--decode``
+  the two pools are two sides, each needing a healthy member.
 
 An answer is kept :data:`CACHE_S`, and probes that arrive together share one check: a busy
 ``/ready`` does not flood the backends.
@@ -21,7 +22,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ BACKEND_PROBE_TIMEOUT_S = 1.0  # a backend that does not answer its /health this
 ENCODER_CHECK_TIMEOUT_S = 5.0  # resolving the targets (DNS) and probing them, the first time included
 CACHE_S = 1.0  # how long one answer serves the probes that follow
 PROBE_CONSUMER_ID = "epd-proxy-readiness"
+Members = Callable[[], Sequence[str]]  # a pool's base URLs now
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,18 +60,19 @@ class Side:
 
 @dataclass(frozen=True, slots=True)
 class State:
-    """What one check found."""
+    """What one check found: the encoders, and each pool of vLLM servers by name ("backends"; with
+    ``--prefill``/``--decode``: "prefill" and "decode")."""
 
     encoders: Side
-    backends: Side
+    pools: tuple[tuple[str, Side], ...]
 
     @property
     def ready(self) -> bool:
-        return bool(self.encoders.ready) and bool(self.backends.ready)
+        return bool(self.encoders.ready) and all(side.ready for _, side in self.pools)
 
     def body(self) -> dict[str, Any]:
         """``/ready``'s answer: the verdict, the sides that are not ready, and each side's members."""
-        sides = {"encoders": self.encoders, "backends": self.backends}
+        sides = {"encoders": self.encoders, **dict(self.pools)}
         return {"ready": self.ready, "not_ready": [name for name, side in sides.items() if not side.ready],
                 **{name: side.body() for name, side in sides.items()}}
 
@@ -129,15 +132,16 @@ class EncoderWatch:
 class Readiness:
     """The proxy's readiness (:class:`State`), checked at most once per :data:`CACHE_S`.
 
-    ``backends``: the backends' base URLs now; ``encoders``: what reports the encoders' side
-    (blocking; run in a thread), default an :class:`EncoderWatch` of ``cfg``'s targets.
+    ``backends``: the backends' base URLs now, or such a callable per pool by name (each pool
+    needs a healthy member); ``encoders``: what reports the encoders' side (blocking; run in a
+    thread), default an :class:`EncoderWatch` of ``cfg``'s targets.
     """
 
-    def __init__(self, cfg: ProxyConfig, backends: Callable[[], Sequence[str]], *,
+    def __init__(self, cfg: ProxyConfig, backends: Members | Mapping[str, Members], *,
                  encoders: Callable[[], Side] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._watch = EncoderWatch(cfg) if encoders is None else None
         self._encoders = encoders or self._watch_side
-        self._backends = backends
+        self._pools = dict(backends) if isinstance(backends, Mapping) else {"backends": backends}
         self._clock = clock
         self._lock = asyncio.Lock()
         self._last: tuple[float, State] | None = None
@@ -163,8 +167,9 @@ class Readiness:
         async with self._lock:
             if self._last is not None and self._fresh():
                 return self._last[1]
-            encoders, backends = await asyncio.gather(self._encoder_side(), self._backend_side())
-            state = State(encoders, backends)
+            encoders, *pools = await asyncio.gather(self._encoder_side(),
+                                                    *(self._backend_side(urls) for urls in self._pools.values()))
+            state = State(encoders, tuple(zip(self._pools, pools)))
             if self._last is None or self._last[1].ready != state.ready:
                 logger.info("epd proxy is %s", "ready" if state.ready else
                             f"not ready ({', '.join(state.body()['not_ready'])} not ready)")
@@ -177,8 +182,8 @@ class Readiness:
         except asyncio.TimeoutError:
             return Side(unknown=f"the encoder check took over {ENCODER_CHECK_TIMEOUT_S:.0f} s")
 
-    async def _backend_side(self) -> Side:
-        urls = list(self._backends())
+    async def _backend_side(self, members: Members) -> Side:
+        urls = list(members())
         if not urls:
             return Side(unknown="no backend known")
         if self._session is None:  # its own session: these calls are no request's backend calls

@@ -51,7 +51,7 @@ def _event_loop_runner() -> Callable[[Coroutine[Any, Any, None]], None]:
         import uvloop
     except ImportError:
         return asyncio.run
-    return uvloop.run  # type: ignore[no-any-return]
+    return uvloop.run
 
 
 async def _run(app: web.Application, host: str, port: int, started: Callable[[int], None], reuse_port: bool,

@@ -4,7 +4,6 @@ the weights it expects (a rolling update's old and new pods side by side), throu
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 

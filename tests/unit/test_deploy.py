@@ -93,7 +93,8 @@ def _port(ctr: dict[str, Any], name: str) -> int:
 
 def test_overlay_directories_are_the_tested_ones() -> None:
     # vllm replaces the reference prefill workers: tests/unit/test_deploy_vllm.py checks it.
-    assert sorted(p.name for p in (DEPLOY / "overlays").iterdir() if p.is_dir()) == sorted(OVERLAYS + ("vllm",))
+    # vllm-pd splits prefill and decode: tests/unit/test_deploy_vllm_pd.py.
+    assert sorted(p.name for p in (DEPLOY / "overlays").iterdir() if p.is_dir()) == sorted(OVERLAYS + ("vllm", "vllm-pd"))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -1,0 +1,211 @@
+"""E + P + D with real processes: ``epd encoder``, a prefill vLLM (EpdCacheConnector + NixlConnector as
+KV producer), two decode vLLMs (NixlConnector as KV consumer) behind ``epd proxy --prefill --decode``,
+against a plain ``vllm serve`` of the same checkpoint.
+
+Both split vLLMs get a copy of the checkpoint whose vision weights are noise: the answers can equal
+the plain vLLM's only if the prefill's image rows came from the encoder and the decode's KV from
+the prefill (the decode never sees an image, only its placeholder metadata).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from epd_harness.disagg import launch_decode, launch_prefill, split_args
+from epd_harness.families import noise_vision_copy
+from epd_harness.media import image_url
+from epd_harness.procs import EncoderProcess, launch_encoder
+from epd_harness.qwen3vl import write_qwen3vl_checkpoint
+from epd_harness.vllm import (
+    PIL_IMAGE_PROCESSOR,
+    Server,
+    chat_body,
+    launch_vllm,
+    start_proxy,
+    stop_vllm,
+    vllm_missing,
+    wait_vllm,
+)
+from tests.support.scrape import scrape
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MODEL = "tiny-qwen3-vl"
+LOGPROB_ATOL = 1e-3
+# vLLM compiles its logprob gather with inductor on the first request that asks for logprobs: minutes
+# per engine on a busy 2-core box, four engines here. Every engine runs it eagerly instead (an
+# integer count: the same answers, the baseline's included).
+NO_COMPILE = {"TORCH_COMPILE_DISABLE": "1"}
+REQUEST_TIMEOUT_S = 300.0  # a first request on a busy box
+RUNNING = "vllm:num_requests_running"
+
+
+@dataclass
+class Split:
+    tmp: Path
+    encoder: EncoderProcess
+    baseline: Server
+    prefill: Server
+    decode: list[Server]
+    proxy: Server
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
+    reason = vllm_missing()
+    if reason:
+        pytest.skip(reason)
+    tmp = tmp_path_factory.mktemp("disagg")
+    checkpoint = write_qwen3vl_checkpoint(tmp / "checkpoint", seed=7)
+    noise = noise_vision_copy(checkpoint, tmp / "noise-vision")
+    # Everything starts at once (most of each start-up is imports and process spawns); the
+    # prefill needs the encoder's address, so it starts once the encoder is up.
+    started = [launch_vllm(checkpoint, tmp / "vllm-baseline.log", "--served-model-name", MODEL, *PIL_IMAGE_PROCESSOR,
+                           cpu_core=0, extra_env=NO_COMPILE)]
+    encoder: EncoderProcess | None = None
+    proxy: Server | None = None
+    try:
+        launch = launch_encoder(tmp, "--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL)
+        # The decodes keep their statistics: the kill test asks which one runs a request.
+        started += [launch_decode(noise, tmp / f"vllm-decode-{i}.log", MODEL, cpu_core=i, log_stats=True,
+                                  extra_env=NO_COMPILE) for i in range(2)]
+        encoder = launch.wait()
+        started.append(launch_prefill(noise, tmp / "vllm-prefill.log", MODEL, [encoder.target], cpu_core=1,
+                                      extra_env=NO_COMPILE))
+        for server in started:
+            wait_vllm(server)
+        baseline, decode, prefill = started[0], started[1:3], started[3]
+        proxy = start_proxy(tmp / "proxy.log", [encoder.target], [], "--model-id", MODEL,
+                            *split_args([prefill], decode))
+        yield Split(tmp, encoder, baseline, prefill, decode, proxy)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for server in started:
+            stop_vllm(server)
+        if encoder is not None:
+            encoder.terminate()
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+def _outputs(resp: httpx.Response) -> tuple[list[int], list[float]]:
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    return choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
+
+
+def _streamed(url: str, body: dict[str, Any]) -> tuple[list[str], list[float]]:
+    tokens: list[str] = []
+    logprobs: list[float] = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=REQUEST_TIMEOUT_S) as resp:
+        assert resp.status_code == 200, resp.read()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            choice = event["choices"]
+            if choice and choice[0].get("logprobs"):
+                tokens += [t["token"] for t in choice[0]["logprobs"]["content"]]
+                logprobs += [t["logprob"] for t in choice[0]["logprobs"]["content"]]
+    return tokens, logprobs
+
+
+def _close(got: list[float], want: list[float], what: str) -> float:
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    assert worst <= LOGPROB_ATOL, f"{what}: logprobs differ by {worst}"
+    return worst
+
+
+def _body(urls: list[str], text: str, max_tokens: int = 10) -> dict[str, Any]:
+    body = chat_body(MODEL, urls, text, max_tokens=max_tokens)
+    del body["prompt_logprobs"]  # the decode computes no prompt: its KV came from the prefill
+    return body
+
+
+def test_answers_equal_plain_vllm(split: Split) -> None:
+    a, b, c = image_url(1, 96, 128), image_url(2, 300, 200), image_url(3, 224, 224)
+    cases = [
+        ("one image", [a], "what is this?"),
+        ("two images", [b, c], "compare them"),
+        ("the same image twice in one request", [b, b], "are these equal?"),
+        ("a known image again", [a], "what is this?"),
+        ("no image", [], "hello there"),
+    ]
+    worst = 0.0
+    for what, urls, text in cases:
+        body = _body(urls, text)
+        got, want = _outputs(_post(split.proxy.url, body)), _outputs(_post(split.baseline.url, body))
+        assert len(want[0]) >= 8, what
+        assert got[0] == want[0], f"{what}: greedy tokens differ"
+        worst = max(worst, _close(got[1], want[1], what))
+    print(f"largest logprob difference: {worst:.2e}")
+
+
+def test_streaming_equals_plain_vllm(split: Split) -> None:
+    body = _body([image_url(4, 256, 320), image_url(5, 128, 128)], "stream it")
+    tokens, logprobs = _streamed(split.proxy.url, body)
+    want = _post(split.baseline.url, body).json()["choices"][0]["logprobs"]["content"]
+    assert tokens == [t["token"] for t in want]
+    _close(logprobs, [t["logprob"] for t in want], "streamed")
+
+
+def test_bad_image_is_400(split: Split) -> None:
+    resp = _post(split.proxy.url, _body([image_url(6, 64, 64), "data:image/png;base64,bm90IGFuIGltYWdl"], "x"))
+    assert resp.status_code == 400, resp.text
+    assert "messages[0].content[1]" in resp.json()["error"]["message"]
+
+
+def test_ready_names_both_pools(split: Split) -> None:
+    body = httpx.get(split.proxy.url + "/ready", timeout=10).json()
+    assert body["ready"], body
+    assert body["prefill"]["ready"] == [split.prefill.url]
+    assert sorted(body["decode"]["ready"]) == sorted(s.url for s in split.decode)
+
+
+def _running(server: Server) -> float:
+    port = int(server.url.rsplit(":", 1)[1])
+    return sum(v for k, v in scrape(port).samples.items() if k.startswith(RUNNING))
+
+
+def test_killed_decode_fails_its_request_alone(split: Split) -> None:
+    """A decode killed while it answers fails that request (one 502 naming it); the requests after it
+    go to the other decode. Runs last: it leaves one decode."""
+    long = {**_body([image_url(7, 128, 128)], "go on", max_tokens=3000), "ignore_eos": True}
+    out: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: out.append(_post(split.proxy.url, long)), daemon=True)
+    thread.start()
+    victim: Server | None = None
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while victim is None and thread.is_alive() and time.monotonic() < deadline:
+        victim = next((s for s in split.decode if _running(s) > 0), None)
+        time.sleep(0.05)
+    assert victim is not None, out[0].text if out else "no decode ran the request"
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(30)
+    thread.join(REQUEST_TIMEOUT_S)
+    assert out and out[0].status_code == 502, out[0].text if out else "no answer"
+    assert f"decode {victim.url} failed the request" in out[0].json()["error"]["message"], out[0].text
+    for seed in (8, 9):
+        body = _body([image_url(seed, 128, 128)], "after the kill")
+        got, want = _outputs(_post(split.proxy.url, body)), _outputs(_post(split.baseline.url, body))
+        assert got[0] == want[0], "greedy tokens differ after the kill"
+        _close(got[1], want[1], "after the kill")
+    ready = httpx.get(split.proxy.url + "/ready", timeout=10).json()
+    assert ready["ready"] and ready["decode"]["not_ready"] == [victim.url], ready
