@@ -68,14 +68,21 @@ def _write_tokenizer(path: Path) -> dict[str, int]:
     return ids
 
 
-def write_qwen3vl_checkpoint(path: Path, seed: int = 0, *, init_std: float = 0.08) -> Path:
+def write_qwen3vl_checkpoint(path: Path, seed: int = 0, *, init_std: float = 0.08,
+                             vision: VisionConfig | None = None) -> Path:
     """The whole checkpoint at ``path``: float32 weights from ``seed`` (a wider init than the
-    default so that greedy decoding has clear winners)."""
+    default so that greedy decoding has clear winners).
+
+    ``vision``: the vision tower's shape, by default the tiny test tower (``VisionConfig()``); a
+    real tower's width (``bench/encoder.py``'s presets) gives a checkpoint whose encode costs what
+    that model's does, beside the same tiny two-layer language model (its hidden size is the
+    tower's ``out_hidden_size``).
+    """
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     path.mkdir(parents=True, exist_ok=True)
     ids = _write_tokenizer(path)
-    vision = VisionConfig()
+    vision = vision if vision is not None else VisionConfig()
     vision_cfg = dataclasses.asdict(vision)
     vision_cfg["deepstack_visual_indexes"] = list(vision.deepstack_visual_indexes)
     text_cfg = {
