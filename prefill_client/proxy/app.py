@@ -156,7 +156,8 @@ class Proxy:
             if not parts:  # nothing to encode: no encoder, no model id
                 if self._disagg is not None:  # prefill on one vLLM, decode on another
                     return await self._disagg.chat(body, request)
-                return await self._forward("POST", CHAT_PATH, body, request)
+                # Nothing rewritten: the caller's own bytes go on, not a second serialisation of them.
+                return await self._forward("POST", CHAT_PATH, body, request, raw=await request.read())
             model, source = await self._model_id(body, request)
             async with self._clients.use(model) as client:
                 placements = await self._place(client, model, source, parts)
@@ -211,19 +212,23 @@ class Proxy:
     # --- forwarding --------------------------------------------------------------------------
 
     async def _forward(self, method: str, path: str, body: dict[str, Any] | None, request: web.Request,
-                       client: EncoderCacheClient | None = None,
-                       placements: Sequence[Placement] = ()) -> web.StreamResponse:
-        """Send the request to a backend and relay its answer; ``client`` placed the ``placements``."""
+                       client: EncoderCacheClient | None = None, placements: Sequence[Placement] = (), *,
+                       raw: bytes | None = None) -> web.StreamResponse:
+        """Send the request to a backend and relay its answer; ``client`` placed the ``placements``.
+        ``raw``: the JSON bytes to send, ``body`` as the caller wrote it (else ``body`` is serialised)."""
         session = self.session
         assert client is not None or not placements
         headers = passed_headers(request.headers)
+        data = raw if raw is not None or body is None else json.dumps(body).encode()
+        if data is not None:
+            headers["Content-Type"] = "application/json"
         errors: list[str] = []
         timeout = aiohttp.ClientTimeout(total=self.cfg.backend_timeout_s,
                                         sock_connect=self.cfg.backend_connect_timeout_s)
         for base in self._backends.order(lambda: affinity_key(body)):
             with self._backends.sending(base):  # outstanding until its answer is relayed
                 try:
-                    resp = await session.request(method, base + path, json=body, headers=headers, timeout=timeout)
+                    resp = await session.request(method, base + path, data=data, headers=headers, timeout=timeout)
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                     why = str(exc) or type(exc).__name__
                     errors.append(f"{base}: {why}")

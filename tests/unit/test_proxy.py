@@ -541,3 +541,17 @@ def test_bad_cache_salts_are_400_before_anything_is_encoded(raw: bytes, words: s
     status, _, answer, seen = asyncio.run(_run(client, _ok, None, raw=body))
     assert status == 400 and words in answer["error"]["message"], answer
     assert not client.placed and not seen
+
+
+def test_a_request_without_media_goes_on_as_the_caller_wrote_it() -> None:
+    # Its bytes, not a second serialisation: key order, spacing and non-ASCII text as sent.
+    raw = '{"messages": [{"role": "user", "content": "héllo  \\u00e9"}],   "model":"m", "max_tokens": 2}'.encode()
+    got: list[tuple[bytes, str]] = []
+
+    async def backend(request: web.Request) -> web.Response:
+        got.append((await request.read(), request.headers["Content-Type"]))
+        return await _ok(request)
+
+    status, _, _, seen = asyncio.run(_run(FakeClient(), backend, None, raw=raw))
+    assert status == 200 and got == [(raw, "application/json")]
+    assert seen[0]["messages"][0]["content"] == "héllo  é"
