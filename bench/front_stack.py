@@ -31,6 +31,7 @@ from epd_harness.vllm import (
     connector_config,
     launch_vllm,
     start_proxy,
+    stop_started,
     stop_vllm,
     wait_vllm,
 )
@@ -262,11 +263,7 @@ def start_stack(work: Path, logs: Path, args: argparse.Namespace) -> Stack:
                 wait_vllm(server)
         proxy = start_proxy(logs / "proxy.log", [encoder.target], [consumer.url], *proxy_args(args))
     except BaseException:
-        for proc in reversed(started):
-            if isinstance(proc, Server):
-                stop_vllm(proc)
-            else:
-                proc.terminate()
+        stop_started(started)
         raise
     print(f"stack up: encoder {encoder.target}, plain {plain.url if plain else None}, consumer {consumer.url}, "
           f"proxy {proxy.url}", file=sys.stderr)

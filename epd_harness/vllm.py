@@ -219,6 +219,15 @@ class TowerStack:
         self.encoder.terminate()
 
 
+def stop_started(started: Sequence[Server | EncoderProcess]) -> None:
+    """Stop what a failed start-up had started, the last first (vLLM servers with their engines)."""
+    for proc in reversed(started):
+        if isinstance(proc, Server):
+            stop_vllm(proc)
+        else:
+            proc.terminate()
+
+
 def start_tower_stack(tmp: Path, model: str, checkpoint: Path, consumer_checkpoint: Path,
                       *encoder_args: str) -> TowerStack:
     """Start it all and wait until every server is up; on failure stop what started, then raise.
@@ -241,10 +250,6 @@ def start_tower_stack(tmp: Path, model: str, checkpoint: Path, consumer_checkpoi
         wait_vllm(consumer)
         proxy = start_proxy(tmp / "proxy.log", [encoder.target], [consumer.url])
     except BaseException:
-        for proc in reversed(started):
-            if isinstance(proc, Server):
-                stop_vllm(proc)
-            else:
-                proc.terminate()
+        stop_started(started)
         raise
     return TowerStack(model, encoder, baseline, consumer, proxy, metrics_port)
