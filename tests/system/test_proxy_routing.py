@@ -24,9 +24,10 @@ from tests.support.scrape import scrape
 
 pytestmark = [
     pytest.mark.slow, pytest.mark.timeout(600),
-    # Out of the default run for now: under the whole suite's load a turn sent while one backend
-    # was frozen got no answer within its deadline (a first request on the other engine that slow,
-    # or a wrong pick: not told apart yet). The routing policies' unit tests run everywhere.
+    # Out of the default run for now: a turn sent while one backend was frozen once got no answer
+    # within its deadline under the whole suite's load, and once in two runs alone on a quiet box
+    # (neither vLLM logged it; a wrong pick, or a hang on the other engine's first image pull: not
+    # told apart yet). The routing policies' unit tests run everywhere.
     pytest.mark.skipif(not os.environ.get("EPD_TEST_PROXY_ROUTING"),
                        reason="set EPD_TEST_PROXY_ROUTING=1 to run the two-vLLM routing test"),
 ]
