@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -35,6 +36,8 @@ from prefill_client.proxy.media import MediaReader, cache_salt, video_fps
 from prefill_client.proxy.readiness import Readiness
 from prefill_client.proxy.rewrite import Part, repeats, rewrite
 from prefill_client.proxy.routing import affinity_key, make_policy
+
+logger = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
@@ -227,6 +230,8 @@ class Proxy:
                                         sock_connect=self.cfg.backend_connect_timeout_s)
         for base in self._backends.order(lambda: affinity_key(body)):
             with self._backends.sending(base):  # outstanding until its answer is relayed
+                logger.debug("%s %s to backend %s (%d outstanding there)", method, path, base,
+                             self._backends.outstanding(base))
                 try:
                     resp = await session.request(method, base + path, data=data, headers=headers, timeout=timeout)
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:

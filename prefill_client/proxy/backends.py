@@ -120,6 +120,11 @@ class Backends:
         backend.down_until = self._clock() + self.retry_s
         self._next_refresh = min(self._next_refresh, self._clock())
 
+    def outstanding(self, url: str) -> int:
+        """``url``'s requests in flight from this process, the one being sent included."""
+        backend = self._known.get(url)
+        return backend.outstanding if backend is not None else 0
+
     def answered(self, url: str) -> None:
         """``url`` answered a request: it is up."""
         backend = self._known.get(url)

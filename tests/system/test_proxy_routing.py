@@ -67,7 +67,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             httpx.post(backend.url + "/v1/chat/completions", timeout=300.0, json={
                 "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).raise_for_status()
         proxy = start_proxy(tmp / "proxy.log", [encoder.target], [b.url for b in backends], "--model-id", MODEL,
-                            "--backend-retry-s", "60")
+                            "--backend-retry-s", "60", "--log-level", "DEBUG")  # each pick in its log
         yield Stack(encoder, backends, proxy)
     finally:
         if proxy is not None:
