@@ -61,6 +61,29 @@ class Split:
     proxy: Server
 
 
+HANDSHAKE_TRIES = 5
+
+
+def _first_handshake(prefill: Server, decode: Server) -> None:
+    """One text request prefilled on ``prefill`` and decoded on ``decode``, before any test: the
+    decode's first request from a prefill engine makes NIXL's handshake with it, whose reply vLLM
+    waits for 5 s at most (a fixed deadline in its NixlConnector). With four engines and their NIXL
+    progress threads on two cores that can run out, and the request then fails (a 500); the next
+    one makes the handshake again. The tests' requests then find it made."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    failures: list[str] = []
+    for _ in range(HANDSHAKE_TRIES):
+        first = httpx.post(prefill.url + "/v1/chat/completions", timeout=REQUEST_TIMEOUT_S, json={
+            **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        assert first.status_code == 200, first.text
+        resp = httpx.post(decode.url + "/v1/chat/completions", timeout=REQUEST_TIMEOUT_S,
+                          json={**body, "kv_transfer_params": first.json()["kv_transfer_params"]})
+        if resp.status_code == 200:
+            return
+        failures.append(f"{resp.status_code}: {resp.text[:200]}")
+    raise AssertionError(f"decode {decode.url} never took the prefill's KV: {failures}")
+
+
 @pytest.fixture(scope="module")
 def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
     reason = vllm_missing()
@@ -86,6 +109,8 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
         for server in started:
             wait_vllm(server)
         baseline, decode, prefill = started[0], started[1:3], started[3]
+        for server in decode:
+            _first_handshake(prefill, server)
         proxy = start_proxy(tmp / "proxy.log", [encoder.target], [], "--model-id", MODEL,
                             *split_args([prefill], decode))
         yield Split(tmp, encoder, baseline, prefill, decode, proxy)
