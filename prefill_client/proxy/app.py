@@ -27,7 +27,7 @@ from common.errors import EncoderCallError, EpdError
 from common.metrics import ProxyMetrics
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.handoff import Placement
-from prefill_client.proxy.backends import Backends, error_message, passed_headers
+from prefill_client.proxy.backends import CHAT_PATH, Backends, error_message, passed_headers, relayed_response
 from prefill_client.proxy.clients import Clients, new_client
 from prefill_client.proxy.disagg import Disaggregated
 from prefill_client.proxy.errors import ENCODE_FAILURES, FIXED_MODEL_SOURCE, UNAVAILABLE, HttpError, encode_rule
@@ -39,8 +39,6 @@ from prefill_client.proxy.routing import affinity_key, make_policy
 
 logger = logging.getLogger(__name__)
 
-CHAT_PATH = "/v1/chat/completions"
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 MAX_MODEL_CHARS = 256  # as the encoder bounds the labels of a request
 # vLLM applies mm_processor_kwargs when it preprocesses media; here the encoders did, by their own settings.
 PROCESSOR_KWARGS_REFUSED = (
@@ -249,8 +247,7 @@ class Proxy:
                         why = await self._blocking(self._diagnose, client, placements)
                         raise HttpError(resp.status, f"backend {base} failed the request ({resp.status}: "
                                                      f"{error_message(text)}); {why}", kind="server_error")
-                    out = web.StreamResponse(status=resp.status, headers={
-                        k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS})
+                    out = relayed_response(resp)
                     await out.prepare(request)
                     async for chunk in resp.content.iter_any():
                         await out.write(chunk)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
+from aiohttp import web
 
 from common.errors import ConfigError
 from prefill_client.consumer.routing import file_targets, resolve_targets
@@ -32,6 +33,9 @@ RESOLVE_TIMEOUT_S = 10.0  # deadline of resolving the backend list once (DNS, a 
 DEFAULT_RETRY_S = 5.0
 DEFAULT_REFRESH_S = 2.0
 _PASSED_HEADERS = ("authorization", "x-request-id", "accept")
+CHAT_PATH = "/v1/chat/completions"
+# A backend's headers that describe its own connection and framing, not the answer: never relayed.
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 _URL_SCHEMES = ("http://", "https://")
 
 
@@ -210,6 +214,13 @@ def resolve_backends(specs: Sequence[str]) -> list[str]:
     if not urls:
         raise ConfigError("no backend listed")
     return urls
+
+
+def relayed_response(resp: aiohttp.ClientResponse) -> web.StreamResponse:
+    """The caller's answer for a backend's ``resp``: its status and headers, hop-by-hop ones left out
+    (not prepared yet; the body is relayed as it comes)."""
+    return web.StreamResponse(status=resp.status, headers={
+        k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS})
 
 
 def passed_headers(headers: Mapping[str, str]) -> dict[str, str]:

@@ -41,14 +41,12 @@ from aiohttp import web
 from common.config import ProxyConfig
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.handoff import Placement
-from prefill_client.proxy.backends import Backends, error_message, passed_headers
+from prefill_client.proxy.backends import CHAT_PATH, Backends, error_message, passed_headers, relayed_response
 from prefill_client.proxy.errors import SERVER_ERROR, UNAVAILABLE, HttpError
 from prefill_client.proxy.routing import affinity_key, make_policy
 
 logger = logging.getLogger(__name__)
 
-CHAT_PATH = "/v1/chat/completions"
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 # The request never reached the member: the next one may take it. Anything else after the
 # connection was made fails the request (see the module docstring).
 NOT_REACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
@@ -196,8 +194,7 @@ class Disaggregated:
                 raise _failed("decode", base, exc) from exc
             raise HttpError(resp.status, f"decode {base} failed the request ({resp.status}: {error_message(text)})",
                             kind=SERVER_ERROR)
-        out = web.StreamResponse(status=resp.status, headers={
-            k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS})
+        out = relayed_response(resp)
         await out.prepare(request)
         try:
             async for chunk in resp.content.iter_any():
