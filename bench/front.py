@@ -21,7 +21,7 @@ two sides alternate in ``--rounds`` (A B, then B A, ...), so a slow moment of th
 
 - ``a`` text only, through the proxy vs straight to the same vLLM (``direct``), at each
   ``--text-concurrency``: added TTFT p50 and the throughput ratio (at concurrency 1 the two sides
-  alternate request by request);
+  alternate request by request; above it, sets of at least 10 requests per slot in flight);
 - ``b`` images the encoder already holds (placed beforehand) through the proxy vs plain vLLM
   given the same images (its tower runs on each);
 - ``c`` every image new to both: the encoder encodes, vs plain vLLM's own tower;
@@ -31,7 +31,9 @@ two sides alternate in ``--rounds`` (A B, then B A, ...), so a slow moment of th
   ``--routing round-robin``: vLLM's prefix cache hit rate (``vllm:prefix_cache_hits`` over
   ``vllm:prefix_cache_queries``, tokens, summed over the backends, deltas over the phase);
 - ``e`` one request at a time through the proxy: an image the encoder holds against a text-only
-  request of the same prompt length in tokens (the text padded): the TTFT p50 an image adds.
+  request of the same prompt length in tokens (the text padded): the TTFT p50 an image adds, and
+  where each kind's time goes (``breakdown_mean_ms``, from the proxy's, vLLM's and the
+  connector's own /metrics read around each request: :class:`Breakdown`).
 
 Before starting, the script waits (bounded) for free memory (``--min-free-gib``) and, before the
 first phase, for the load average to fall below ``--max-load``; the loads are in the JSON.
@@ -62,7 +64,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.front_load import MODEL, Side, compare, measure_set, summary  # noqa: E402
-from bench.front_stack import Stack, start_stack, wait_for_quiet  # noqa: E402
+from bench.front_stack import METRICS_POLL_S, METRICS_WAIT_S, Stack, metric_totals, start_stack, wait_for_quiet  # noqa: E402
 from epd_harness.media import image_url  # noqa: E402
 from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
 from prefill_client.consumer.connection import MediaSpec  # noqa: E402
@@ -75,6 +77,9 @@ QUESTIONS = ("what colours dominate?", "is there any text in it?", "describe the
 # of the CPU build's 128-token KV blocks, so the hit rate is not decided by where a prompt ends in a block.
 QUESTION_CHARS = 200
 PROFILE_STOP_S = 60.0
+# Phase a's sets with several requests in flight: with 5 per slot (80 at 16) one slow moment of
+# the box moved a set by 15 %, its ramp-up and drain a large part of it.
+SET_REQUESTS_PER_SLOT = 10
 TARGETS = {  # name: (figure, bound, at most?)
     "text_c1_added_ttft_p50_ms": ("text_c1_added_ttft_p50_ms", 2.0, True),
     "text_c16_added_ttft_p50_ms": ("text_c16_added_ttft_p50_ms", 10.0, True),
@@ -120,9 +125,12 @@ async def phase_text(stack: Stack, args: argparse.Namespace, out: dict[str, Any]
         def requests(side: str, rnd: int, n: int, name: str = name) -> list[Any]:
             return [text_message(f"{name}-{side}-{rnd}-{i}") for i in range(n)]
 
-        # One at a time, the sides alternate request by request (a round each), at once as whole sets.
+        # One at a time, the sides alternate request by request (a round each), at once as whole sets
+        # of at least SET_REQUESTS_PER_SLOT requests per slot: a set's ramp-up and drain (its slowest
+        # requests finishing alone) are then a small part of its wall time.
         rounds = args.text_requests if conc == 1 else args.rounds
-        got = await compare([proxy, direct], requests, args.text_requests, rounds, conc, args.text_max_tokens)
+        count = args.text_requests if conc == 1 else max(args.text_requests, SET_REQUESTS_PER_SLOT * conc * rounds)
+        got = await compare([proxy, direct], requests, count, rounds, conc, args.text_max_tokens)
         out[name] = got
         out[f"{name}_added_ttft_p50_ms"] = round(got["proxy"]["ttft_p50_ms"] - got["direct"]["ttft_p50_ms"], 2)
         out[f"{name}_throughput_vs_direct"] = ratio(got["proxy"]["requests_per_s"], got["direct"]["requests_per_s"])
@@ -190,6 +198,53 @@ async def phase_multiturn(stack: Stack, args: argparse.Namespace, out: dict[str,
                                                                     one)
 
 
+class Breakdown:
+    """Where a request's time to first token goes, from the stack's own /metrics read before and after
+    each request (one in flight; each read waits until vLLM has counted the request): the proxy's
+    encode phase and its wait for the backend's first byte, vLLM's queue and prefill time and its own
+    TTFT (from the moment its API server starts rendering the chat), the connector's pulls, and the
+    client's TTFT. Means per kind of request, in milliseconds."""
+
+    PROXY = ("epd_proxy_encode_latency_seconds_sum", "epd_proxy_backend_time_to_first_byte_seconds_sum")
+    VLLM = ("vllm:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_sum",
+            "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum")
+    PULL = ("epd_pull_latency_seconds_sum", "epd_pull_latency_seconds_count")
+    NAMES = ("proxy_encode", "proxy_backend_first_byte", "vllm_ttft", "vllm_queue", "vllm_prefill", "pull",
+             "client_ttft")
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.sums: dict[str, list[float]] = {}
+        self.counts: dict[str, int] = {}
+
+    def read(self, counted: float = 0.0) -> list[float]:
+        deadline = time.monotonic() + METRICS_WAIT_S
+        while True:
+            vllm = metric_totals(self.stack.consumers[0], *self.VLLM)
+            if vllm[0] >= counted or time.monotonic() > deadline:
+                break
+            time.sleep(METRICS_POLL_S)
+        proxy = metric_totals(self.stack.proxies["proxy"], *self.PROXY)
+        pull = metric_totals(self.stack.connector_metrics[0], *self.PULL)
+        return [*proxy, vllm[1], vllm[2], vllm[3], pull[0], vllm[0]]
+
+    async def measure(self, kind: str, run: Any) -> Any:
+        before = await asyncio.to_thread(self.read)
+        got = await run
+        if got.samples:
+            after = await asyncio.to_thread(self.read, before[-1] + 1)
+            sums = self.sums.setdefault(kind, [0.0] * len(self.NAMES))
+            for i, (a, b) in enumerate(zip(after[:-1], before[:-1], strict=True)):
+                sums[i] += a - b
+            sums[-1] += got.samples[0].ttft_ms / 1e3
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+        return got
+
+    def means(self) -> dict[str, dict[str, float]]:
+        return {kind: {name: round(total * 1e3 / self.counts[kind], 2) for name, total in zip(self.NAMES, sums)}
+                for kind, sums in self.sums.items()}
+
+
 async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict[str, Any]) -> None:
     side = stack.side("proxy")
     urls = [image_url(80_000 + i, args.side, args.side) for i in range(args.requests)]
@@ -203,13 +258,15 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
     images: list[Any] = []
     texts: list[Any] = []
     mismatches = 0
+    parts = Breakdown(stack)
     ticks = side.proxy_ticks()
     for i, url in enumerate(urls):  # one at a time, alternating, so both see the same moments of the box
-        image = await measure_set(side, [image_message(url)], 1, args.max_tokens)
+        image = await parts.measure("image_cached", measure_set(side, [image_message(url)], 1, args.max_tokens))
         if not image.samples:
             continue
         tokens = image.samples[0].prompt_tokens
-        text = await measure_set(side, [text_message(f"e-{i}", tokens - overhead)], 1, args.max_tokens)
+        text = await parts.measure("text_same_length", measure_set(
+            side, [text_message(f"e-{i}", tokens - overhead)], 1, args.max_tokens))
         if not text.samples:
             continue
         mismatches += text.samples[0].prompt_tokens != tokens
@@ -218,7 +275,8 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
     cpu_ms = (side.proxy_ticks() - ticks) * 1e3 / os.sysconf("SC_CLK_TCK")
     got = {"image_cached": summary([s.ttft_ms for s in images]), "text_same_length": summary([s.ttft_ms for s in texts]),
            "prompt_tokens": images[0].prompt_tokens if images else None, "prompt_token_mismatches": mismatches,
-           "proxy_cpu_ms_per_request": round(cpu_ms / max(1, len(images) + len(texts)), 2)}
+           "proxy_cpu_ms_per_request": round(cpu_ms / max(1, len(images) + len(texts)), 2),
+           "breakdown_mean_ms": parts.means()}
     out["cached_image_vs_text"] = got
     out["cached_image_added_ttft_p50_ms"] = round(got["image_cached"]["p50"] - got["text_same_length"]["p50"], 2)
     out["proxy_cpu_ms_per_request"]["cached_image_vs_text"] = got["proxy_cpu_ms_per_request"]
@@ -277,7 +335,9 @@ def main() -> None:
     parser.add_argument("--phases", default="a,b,c,d,e", help="comma separated, of a, b, c, d, e")
     parser.add_argument("--requests", type=int, default=12, help="image requests per side (b, c; e: pairs)")
     parser.add_argument("--concurrency", type=int, default=4, help="image requests in flight (b, c)")
-    parser.add_argument("--text-requests", type=int, default=160, help="text requests per side and concurrency (a)")
+    parser.add_argument("--text-requests", type=int, default=160,
+                        help="text requests per side and concurrency (a; above 1 in flight at least "
+                             f"{SET_REQUESTS_PER_SLOT} per slot and round)")
     parser.add_argument("--text-concurrency", default="1,16", help="comma separated (a)")
     parser.add_argument("--rounds", type=int, default=2, help="sets per side, alternating with the other side's")
     parser.add_argument("--conversations", type=int, default=4, help="chats at once per routing (d)")

@@ -98,9 +98,11 @@ def pin(pid: int, cores: set[int]) -> None:
             os.sched_setaffinity(int(tid), cores)
 
 
-def metric_totals(server: Server, *names: str) -> list[float]:
-    """Each metric summed over its label sets (engines, finish reasons), from ``server``'s /metrics."""
-    text = httpx.get(server.url + "/metrics", timeout=METRICS_TIMEOUT_S).text
+def metric_totals(server: Server | str, *names: str) -> list[float]:
+    """Each metric summed over its label sets (engines, finish reasons), from the /metrics of ``server``
+    (or of a base URL)."""
+    url = server if isinstance(server, str) else server.url
+    text = httpx.get(url + "/metrics", timeout=METRICS_TIMEOUT_S).text
     totals = dict.fromkeys(names, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -123,6 +125,8 @@ class Stack:
     plain: Server | None = None
     proxies: dict[str, Server] = field(default_factory=dict)
     sides: dict[str, Side] = field(default_factory=dict)
+    # Each consumer's connector /metrics (its scheduler side: pulls, their latency), by consumer.
+    connector_metrics: list[str] = field(default_factory=list)
 
     def side(self, name: str) -> Side:
         return self.sides[name]
@@ -171,10 +175,11 @@ class Stack:
         if self.plain is not None:
             stop_vllm(self.plain)
             self.plain = None
+        config, metrics_url = consumer_config(self.encoder, self.real)
         server = launch_vllm(self.noise, self.logs / "vllm-consumer-b.log", *engine_args(self.args),
-                             "--ec-transfer-config", consumer_config(self.encoder, self.real),
-                             cpu_core=CONSUMER_CORE, log_stats=True)
+                             "--ec-transfer-config", config, cpu_core=CONSUMER_CORE, log_stats=True)
         self.consumers.append(server)
+        self.connector_metrics.append(metrics_url)
         wait_vllm(server)
         urls = [c.url for c in self.consumers]
         for name, routing in (("affinity", "affinity"), ("round_robin", "round-robin")):
@@ -229,8 +234,12 @@ def engine_args(args: argparse.Namespace) -> tuple[str, ...]:
     return "--served-model-name", MODEL, "--max-num-seqs", str(seqs), "--skip-mm-profiling"
 
 
-def consumer_config(encoder: EncoderProcess, real: Path) -> str:
-    return connector_config([encoder.target], MODEL, metrics_port=-1, weights_digest=checkpoint_digest(real))
+def consumer_config(encoder: EncoderProcess, real: Path) -> tuple[str, str]:
+    """The connector's config, and the base URL of its /metrics."""
+    port = free_port()
+    config = connector_config([encoder.target], MODEL, metrics_port=port, metrics_host="127.0.0.1",
+                              weights_digest=checkpoint_digest(real))
+    return config, f"http://127.0.0.1:{port}"
 
 
 def proxy_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -255,8 +264,9 @@ def start_stack(work: Path, logs: Path, args: argparse.Namespace) -> Stack:
                                  env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}).wait()
         started.append(encoder)
         pin(encoder.proc.pid, {ENCODER_CORE})
+        config, metrics_url = consumer_config(encoder, real)
         consumer = launch_vllm(noise, logs / "vllm-consumer-a.log", *engine_args(args), "--ec-transfer-config",
-                               consumer_config(encoder, real), cpu_core=CONSUMER_CORE, log_stats=True)
+                               config, cpu_core=CONSUMER_CORE, log_stats=True)
         started.append(consumer)
         for server in (plain, consumer):
             if server is not None:
@@ -267,4 +277,5 @@ def start_stack(work: Path, logs: Path, args: argparse.Namespace) -> Stack:
         raise
     print(f"stack up: encoder {encoder.target}, plain {plain.url if plain else None}, consumer {consumer.url}, "
           f"proxy {proxy.url}", file=sys.stderr)
-    return Stack(args, logs, real, noise, encoder, [consumer], plain, {"proxy": proxy})
+    return Stack(args, logs, real, noise, encoder, [consumer], plain, {"proxy": proxy},
+                 connector_metrics=[metrics_url])

@@ -135,7 +135,7 @@ def test_callers_that_leave_leave_no_lease(tmp_path: Path, references: Path) -> 
     try:
         # With their local caches on, clients also give back the leases of items they already
         # hold by a Release RPC: one that fails pins the item for the whole lease ttl.
-        reports = run_clients(enc, references, seconds=20.0, max_delivered=10**9,
+        reports = run_clients(enc, references, seconds=10.0, max_delivered=10**9,
                               rpc_timeouts=[0.03, 0.1, 0.3], local_cache_blocks=8)
         delivered, wrong, outcomes, _ = summarize(reports)
         print(f"short deadlines: delivered {delivered}, outcomes {dict(outcomes)}")

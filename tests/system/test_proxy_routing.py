@@ -1,7 +1,7 @@
 """``epd proxy`` before two real vLLM backends (each with the connector, one encoder): a multi-turn image
 chat keeps its backend and that backend's prefix cache hits grow; with two of its requests in flight
-(the backend then frozen, so that they stay there) its next turn and a new conversation go to the
-other; once it is killed, every request goes to the one left."""
+on that backend, stalled (frozen), its next turn and a new conversation go to the other; once it is
+killed, the requests it held and every later one are answered by the one left."""
 
 from __future__ import annotations
 
@@ -16,27 +16,19 @@ from typing import Any
 import httpx
 import pytest
 
+from common.metrics import PROXY_BACKEND_RUNNING
 from epd_harness.media import image_url
 from epd_harness.procs import EncoderProcess, start_encoder
 from epd_harness.qwen3vl import write_qwen3vl_checkpoint
 from epd_harness.vllm import Server, connector_config, launch_vllm, start_proxy, stop_vllm, vllm_missing, wait_vllm
-from tests.support.scrape import scrape
+from tests.support.scrape import sample_key, scrape
 
-pytestmark = [
-    pytest.mark.slow, pytest.mark.timeout(600),
-    # Out of the default run for now: a turn sent while one backend was frozen once got no answer
-    # within its deadline under the whole suite's load, and once in two runs alone on a quiet box
-    # (neither vLLM logged it; a wrong pick, or a hang on the other engine's first image pull: not
-    # told apart yet). The routing policies' unit tests run everywhere.
-    pytest.mark.skipif(not os.environ.get("EPD_TEST_PROXY_ROUTING"),
-                       reason="set EPD_TEST_PROXY_ROUTING=1 to run the two-vLLM routing test"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL = "tiny-qwen3-vl"
 # A byte-level tokenizer: this is about 400 tokens of shared prefix, several of vLLM's KV blocks.
 SYSTEM = "You answer questions about images. " * 12
-LONG_TOKENS = 3500  # still running when its backend is frozen (seconds of generation)
-WAIT_S = 60.0  # deadline of waiting for a backend's metrics to show a state
+WAIT_S = 60.0  # deadline of waiting for a server's metrics to show a state
 TURN_BUSY_S = 180.0  # a turn while one backend is frozen: sent there by mistake, it would hang
 
 
@@ -125,16 +117,8 @@ class Conversation:
                          {"role": "user", "content": question}]
 
 
-def _stream_long(proxy: Server, body: dict[str, Any], outcome: list[str]) -> None:
-    """A long streamed request, read until its backend is killed under it."""
-    try:
-        with httpx.stream("POST", proxy.url + "/v1/chat/completions", timeout=120.0,
-                          json={**body, "stream": True, "max_tokens": LONG_TOKENS, "ignore_eos": True}) as resp:
-            for _ in resp.iter_lines():
-                pass
-        outcome.append("ended")
-    except httpx.HTTPError as exc:
-        outcome.append(type(exc).__name__)
+def _post(proxy: Server, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=TURN_BUSY_S)
 
 
 def test_conversations_keep_their_backend_and_a_busy_or_dead_one_is_avoided(stack: Stack) -> None:
@@ -154,29 +138,35 @@ def test_conversations_keep_their_backend_and_a_busy_or_dead_one_is_avoided(stac
         _wait_until("a prefix cache hit of the turn",
                     lambda hits=hits: _total(a, "vllm:prefix_cache_hits_total") > hits)
 
-    # Two long requests of the conversation hold its backend (within the load bound, both go there);
-    # then it is frozen, so that they stay in flight however long the next requests take.
-    outcomes: list[str] = []
-    long = [threading.Thread(target=_stream_long, args=(stack.proxy, chat.body(), outcomes), daemon=True)
-            for _ in range(2)]
-    for thread in long:
-        thread.start()
-    _wait_until("the long requests to run", lambda: _total(a, "vllm:num_requests_running") == 2)
+    # The conversation's backend stalls (frozen) with two of its requests in flight: within the
+    # load bound both go there, and neither is answered. (Frozen first and then sent, so that
+    # they are in flight for sure: requests sent first and the backend frozen once they ran could
+    # finish in between, a tiny model answers thousands of tokens in seconds, and the backend was
+    # then once frozen idle and got the next turn.)
     os.killpg(a.proc.pid, signal.SIGSTOP)
+    outcomes: list[int] = []
+    held = [threading.Thread(target=lambda: outcomes.append(_post(stack.proxy, chat.body()).status_code),
+                             daemon=True) for _ in range(2)]
+    for thread in held:
+        thread.start()
+    running_on_a = sample_key(PROXY_BACKEND_RUNNING, {"backend": a.url})
+    _wait_until("the proxy to count two requests in flight on the stalled backend",
+                lambda: scrape(stack.proxy.port).samples.get(running_on_a) == 2)
     # Over the bound now (ceil(1.25 x 3 / 2) = 2): the next turn and a new conversation go to the other.
     before = _served(stack, [b])
     chat.turn(stack.proxy, "still there?", timeout=TURN_BUSY_S)
     Conversation(seed=2).turn(stack.proxy, "-", timeout=TURN_BUSY_S)
     assert _served_after(stack, before, 2, [b]) == [2]
 
-    # The conversation's backend dies: its next turn, and new conversations, go to the one left.
+    # The conversation's backend dies. The two it held never got an answer started: the other
+    # backend answers them. Its next turn, and new conversations, go to the one left.
     os.killpg(a.proc.pid, signal.SIGKILL)
     a.proc.wait(30)
+    for thread in held:
+        thread.join(TURN_BUSY_S)
+    assert outcomes == [200, 200], outcomes
     before = _served(stack, [b])
     chat.turn(stack.proxy, "hello?")
     for seed in (3, 4):
         Conversation(seed).turn(stack.proxy, "-")
     assert _served_after(stack, before, 3, [b]) == [3]
-    for thread in long:
-        thread.join(30)
-    assert len(outcomes) == 2 and "ended" not in outcomes, outcomes  # cut off with their backend
