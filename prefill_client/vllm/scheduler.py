@@ -64,6 +64,7 @@ class SchedulerPulls(PullTracker[torch.Tensor]):
             placed = self._placed(request)
             if placed is not None:
                 mine = [placed[w.identifier] for w in missing if w.identifier in placed]
+                self._take(mine)
                 self._jobs[rid] = (self._threads.submit(self._pull, missing, placed), mine)
             return False
         if not job[0].done():
@@ -197,6 +198,7 @@ class WorkerPulls(PullTracker[str]):
         blocks = sum(len(p.location.block_ids) for p in with_location)
         if self._blocks_in_flight and self._blocks_in_flight + blocks > self.landing_blocks:
             return  # the workers' landing pools are spoken for: this request waits its turn
+        self._take(with_location)
         job = _Job(f"{next(self._ids)}", request.request_id, new, with_location)
         self._jobs[job.job_id] = job
         for w in new:
@@ -282,6 +284,9 @@ class WorkerPulls(PullTracker[str]):
             job.locating.add_done_callback(self._release_located)
         if job.placements:
             self._threads.submit(self.client.release_placed, list(job.placements), handshake=True)
+
+    def _release(self, placements: Sequence[Placement]) -> None:
+        self.client.release_placed(list(placements), handshake=True)
 
     def _release_located(self, done: concurrent.futures.Future[list[Placement]]) -> None:
         if not done.cancelled() and done.exception() is None:

@@ -52,6 +52,8 @@ class PullTracker(abc.ABC, Generic[HeldT]):
         self._unavailable: dict[str, str] = {}  # request id -> why, until vLLM takes it
         self._reported: set[str] = set()  # taken by vLLM: never available again
         self._step = StepOrders()
+        # Placements handed to a pull, which gives their leases back (the others go back at the end).
+        self._taken: set[tuple[str, int, str]] = set()
 
     # --- vLLM's scheduler-side hooks (through the connector) ---------------------------------
 
@@ -91,6 +93,7 @@ class PullTracker(abc.ABC, Generic[HeldT]):
     def finished(self, request: Request) -> None:
         rid = request.request_id
         self._request_gone(rid)
+        self._give_back_unused(request)
         self._unavailable.pop(rid, None)
         self._reported.discard(rid)
         for feature in request.mm_features:
@@ -127,6 +130,31 @@ class PullTracker(abc.ABC, Generic[HeldT]):
 
     # --- shared by both ----------------------------------------------------------------------
 
+    def _take(self, placements: Sequence[Placement]) -> None:
+        """``placements`` go to a pull: it gives their leases back."""
+        self._taken.update(_lease_key(p) for p in placements)
+
+    def _give_back_unused(self, request: Request) -> None:
+        """The finished request's placements that no pull took: their items were in hand already
+        (rows held for another request, or in vLLM's own caches: a later turn of a conversation
+        whose image the prefix cache covers). Their leases go back now instead of pinning the
+        items on the encoders for the whole lease ttl."""
+        try:
+            placed = from_params(getattr(request, "ec_transfer_params", None))
+        except ConfigError:
+            return  # the request failed on them
+        if not placed:
+            return
+        keyed = [(p, _lease_key(p)) for p in placed.values()]
+        unused = [p for p, key in keyed if key not in self._taken]
+        self._taken.difference_update(key for _, key in keyed)
+        if unused:
+            self._threads.submit(self._release, unused)
+
+    def _release(self, placements: Sequence[Placement]) -> None:
+        """Give the leases of ``placements`` back (a pool thread), in their placer's name."""
+        self.client.release_placed(list(placements))
+
     def _placed(self, request: Request) -> dict[str, Placement] | None:
         """The placements the proxy handed on with the request; None (and the request fails) when malformed."""
         try:
@@ -145,3 +173,7 @@ class PullTracker(abc.ABC, Generic[HeldT]):
     def _fail(self, rid: str, why: str) -> None:
         logger.warning("EpdCacheConnector: request %s fails: %s", rid, why)
         self._unavailable[rid] = why
+
+
+def _lease_key(p: Placement) -> tuple[str, int, str]:
+    return p.encoder, p.location.lease_id, p.mm_hash

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from common.metrics import PROXY_BACKEND_RUNNING
+from common.metrics import EPD_LEASES_ACTIVE, PROXY_BACKEND_RUNNING
 from epd_harness.media import image_url
 from epd_harness.procs import EncoderProcess, start_encoder
 from epd_harness.qwen3vl import write_qwen3vl_checkpoint
@@ -29,6 +29,7 @@ MODEL = "tiny-qwen3-vl"
 # A byte-level tokenizer: this is about 400 tokens of shared prefix, several of vLLM's KV blocks.
 SYSTEM = "You answer questions about images. " * 12
 WAIT_S = 60.0  # deadline of waiting for a server's metrics to show a state
+LEASES_BACK_S = 10.0  # a third of the encoder's lease ttl (30 s): given back, not expired
 TURN_BUSY_S = 180.0  # a turn while one backend is frozen: sent there by mistake, it would hang
 
 
@@ -82,8 +83,8 @@ def _served(stack: Stack, backends: list[Server] | None = None) -> list[float]:
     return [_total(b, "vllm:request_success_total") for b in backends or stack.backends]
 
 
-def _wait_until(what: str, done: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
+def _wait_until(what: str, done: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
     while not done():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
@@ -137,6 +138,10 @@ def test_conversations_keep_their_backend_and_a_busy_or_dead_one_is_avoided(stac
         assert _served_after(stack, before, 1)[home] == 1
         _wait_until("a prefix cache hit of the turn",
                     lambda hits=hits: _total(a, "vllm:prefix_cache_hits_total") > hits)
+    # The later turns' image is in the backend's prefix cache, so nothing pulls it: the lease the
+    # proxy took for each turn goes back when the request finishes, not at the encoder's lease ttl.
+    _wait_until("every lease of the turns given back", lambda: scrape(
+        stack.encoder.metrics_port).samples.get(EPD_LEASES_ACTIVE) == 0, timeout_s=LEASES_BACK_S)
 
     # The conversation's backend stalls (frozen) with two of its requests in flight: within the
     # load bound both go there, and neither is answered. (Frozen first and then sent, so that

@@ -39,9 +39,9 @@ from prefill_client.handoff import (
 WIDTH = 192
 
 
-def _placement(mm_hash: str, rows: int = 4) -> Placement:
+def _placement(mm_hash: str, rows: int = 4, lease_id: int = 11) -> Placement:
     loc = pb2.ItemLocation(mm_hash=mm_hash, block_ids=[3, 4], tokens_per_block=[rows, 0], num_tokens=rows,
-                           fingerprint=7, generation=9, lease_id=11, grid_thw=[1, 4, 4])
+                           fingerprint=7, generation=9, lease_id=lease_id, grid_thw=[1, 4, 4])
     return Placement(mm_hash, "127.0.0.1:50051", "inc-1", loc, "digest", "proxy-7")
 
 
@@ -252,6 +252,23 @@ def test_available_only_once_the_rows_are_pulled() -> None:
     assert side.take_step().rows == {}
     side.finished(req)
     assert not side.has("a") and not side.has("b")
+    side.close()
+
+
+def test_the_scheduler_path_gives_back_placements_no_pull_took() -> None:
+    client = FakeClient({"a": 4})
+    client.gate.set()
+    side = _side(client)
+    r1 = _request("r1", [("a", 4)], to_params([_placement("a", lease_id=1)]))
+    assert _until(lambda: side.ensure(r1, 0))
+    r2 = _request("r2", [("a", 4)], to_params([_placement("a", lease_id=2)]))
+    assert side.ensure(r2, 0)  # in hand already: no pull, its placement unused
+    assert client.calls == [("pull_placed", ["a"])]
+    side.finished(r1)  # its pull took its placement: nothing more goes back for it
+    side.finished(r2)
+    assert _until(lambda: client.released == ["a"]), client.released
+    time.sleep(0.1)
+    assert client.released == ["a"]
     side.close()
 
 

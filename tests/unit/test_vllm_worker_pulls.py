@@ -34,10 +34,10 @@ from prefill_client.vllm.worker import WorkerLoader  # noqa: E402
 WIDTH = 48
 
 
-def _placement(mm_hash: str, rows: int = 4, blocks: int = 2) -> Placement:
+def _placement(mm_hash: str, rows: int = 4, blocks: int = 2, lease_id: int = 11) -> Placement:
     loc = pb2.ItemLocation(mm_hash=mm_hash, block_ids=list(range(3, 3 + blocks)),
                            tokens_per_block=[rows] + [0] * (blocks - 1), num_tokens=rows,
-                           fingerprint=7, generation=9, lease_id=11, grid_thw=[1, 4, 4])
+                           fingerprint=7, generation=9, lease_id=lease_id, grid_thw=[1, 4, 4])
     return Placement(mm_hash, "127.0.0.1:50051", "inc-1", loc, "digest", "proxy-7")
 
 
@@ -381,3 +381,29 @@ def test_a_step_s_orders_place_then_drop_on_each_rank(tmp_path: Path, engines: l
     assert e.loaders[0].landed == 1  # a stays until dropped; b is gone
     e.loaders[0].load(StepOrders(), cache)
     assert e.loaders[0].landed == 1
+
+
+def test_placements_no_pull_took_go_back_when_their_request_finishes(tmp_path: Path, engines: list[Engine]) -> None:
+    e = _engine(tmp_path, {"a": 4, "b": 4}, ranks=1)
+    engines.append(e)
+    e.open_all()
+    r1 = _request("r1", [("a", 4)], to_params([_placement("a", 4, lease_id=1)]))
+    assert _until(lambda: e.side.ensure(r1, 0))
+    assert _until(lambda: e.tracker.released == ["a"])  # the pull's lease, given back by its job
+    # r2 brings a placement of "a" (in hand for r1 already) and of "b": only b is pulled.
+    r2 = _request("r2", [("a", 4), ("b", 4)], to_params([_placement("a", 4, lease_id=2), _placement("b", 4, lease_id=3)]))
+    assert _until(lambda: e.side.ensure(r2, 0))
+    assert _until(lambda: sorted(e.tracker.released) == ["a", "b"])
+    assert [p[0] for r in e.ranks for p in r.pulls] == ["a", "b"]
+    e.side.finished(r1)
+    time.sleep(0.2)
+    assert sorted(e.tracker.released) == ["a", "b"], "a lease its pull gave back went back twice"
+    e.side.finished(r2)  # its unused lease of "a" goes back now, not at the encoder's lease ttl
+    assert _until(lambda: sorted(e.tracker.released) == ["a", "a", "b"])
+    # A later turn whose image vLLM's own caches cover (no placeholder left to compute): nothing is
+    # pulled, and its lease goes back when it finishes.
+    r3 = _request("r3", [("a", 4)], to_params([_placement("a", 4, lease_id=4)]))
+    assert e.side.ensure(r3, 10**6)
+    e.side.finished(r3)
+    assert _until(lambda: sorted(e.tracker.released) == ["a", "a", "a", "b"])
+    assert [p[0] for r in e.ranks for p in r.pulls] == ["a", "b"]
