@@ -149,7 +149,10 @@ class PullTracker(abc.ABC, Generic[HeldT]):
         unused = [p for p, key in keyed if key not in self._taken]
         self._taken.difference_update(key for _, key in keyed)
         if unused:
-            self._threads.submit(self._release, unused)
+            try:
+                self._threads.submit(self._release, unused)
+            except RuntimeError:  # the connector shut down: these leases end at the encoder's ttl
+                pass
 
     def _release(self, placements: Sequence[Placement]) -> None:
         """Give the leases of ``placements`` back (a pool thread), in their placer's name."""
