@@ -128,8 +128,11 @@ async def phase_text(stack: Stack, args: argparse.Namespace, out: dict[str, Any]
         # One at a time, the sides alternate request by request (a round each), at once as whole sets
         # of at least SET_REQUESTS_PER_SLOT requests per slot: a set's ramp-up and drain (its slowest
         # requests finishing alone) are then a small part of its wall time.
-        rounds = args.text_requests if conc == 1 else args.rounds
-        count = args.text_requests if conc == 1 else max(args.text_requests, SET_REQUESTS_PER_SLOT * conc * rounds)
+        if conc == 1:
+            rounds = count = args.text_requests
+        else:
+            rounds = args.rounds
+            count = max(args.text_requests, SET_REQUESTS_PER_SLOT * conc * rounds)
         got = await compare([proxy, direct], requests, count, rounds, conc, args.text_max_tokens)
         out[name] = got
         out[f"{name}_added_ttft_p50_ms"] = round(got["proxy"]["ttft_p50_ms"] - got["direct"]["ttft_p50_ms"], 2)
@@ -205,43 +208,51 @@ class Breakdown:
     TTFT (from the moment its API server starts rendering the chat), the connector's pulls, and the
     client's TTFT. Means per kind of request, in milliseconds."""
 
-    PROXY = ("epd_proxy_encode_latency_seconds_sum", "epd_proxy_backend_time_to_first_byte_seconds_sum")
-    VLLM = ("vllm:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_sum",
-            "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum")
-    PULL = ("epd_pull_latency_seconds_sum", "epd_pull_latency_seconds_count")
-    NAMES = ("proxy_encode", "proxy_backend_first_byte", "vllm_ttft", "vllm_queue", "vllm_prefill", "pull",
-             "client_ttft")
+    FIGURES = {  # figure: (whose /metrics, the metric whose sum it is)
+        "proxy_encode": ("proxy", "epd_proxy_encode_latency_seconds_sum"),
+        "proxy_backend_first_byte": ("proxy", "epd_proxy_backend_time_to_first_byte_seconds_sum"),
+        "vllm_ttft": ("vllm", "vllm:time_to_first_token_seconds_sum"),
+        "vllm_queue": ("vllm", "vllm:request_queue_time_seconds_sum"),
+        "vllm_prefill": ("vllm", "vllm:request_prefill_time_seconds_sum"),
+        "pull": ("connector", "epd_pull_latency_seconds_sum"),
+    }
+    COUNTED = "vllm:time_to_first_token_seconds_count"  # vLLM has counted a request's first token
 
     def __init__(self, stack: Stack) -> None:
-        self.stack = stack
-        self.sums: dict[str, list[float]] = {}
+        self.urls = {"proxy": stack.proxies["proxy"].url, "vllm": stack.consumers[0].url,
+                     "connector": stack.connector_metrics[0]}
+        self.sums: dict[str, dict[str, float]] = {}
         self.counts: dict[str, int] = {}
 
-    def read(self, counted: float = 0.0) -> list[float]:
+    def _scrape(self, server: str, *extra: str) -> dict[str, float]:
+        names = [metric for whose, metric in self.FIGURES.values() if whose == server] + list(extra)
+        return dict(zip(names, metric_totals(self.urls[server], *names), strict=True))
+
+    def read(self, counted: float = 0.0) -> tuple[float, dict[str, float]]:
+        """vLLM's count of first tokens and every figure's metric, once vLLM counts ``counted`` (bounded)."""
         deadline = time.monotonic() + METRICS_WAIT_S
         while True:
-            vllm = metric_totals(self.stack.consumers[0], *self.VLLM)
-            if vllm[0] >= counted or time.monotonic() > deadline:
+            vllm = self._scrape("vllm", self.COUNTED)
+            if vllm[self.COUNTED] >= counted or time.monotonic() > deadline:
                 break
             time.sleep(METRICS_POLL_S)
-        proxy = metric_totals(self.stack.proxies["proxy"], *self.PROXY)
-        pull = metric_totals(self.stack.connector_metrics[0], *self.PULL)
-        return [*proxy, vllm[1], vllm[2], vllm[3], pull[0], vllm[0]]
+        values = {**vllm, **self._scrape("proxy"), **self._scrape("connector")}
+        return values[self.COUNTED], {figure: values[metric] for figure, (_, metric) in self.FIGURES.items()}
 
     async def measure(self, kind: str, run: Any) -> Any:
-        before = await asyncio.to_thread(self.read)
+        counted, before = await asyncio.to_thread(self.read)
         got = await run
         if got.samples:
-            after = await asyncio.to_thread(self.read, before[-1] + 1)
-            sums = self.sums.setdefault(kind, [0.0] * len(self.NAMES))
-            for i, (a, b) in enumerate(zip(after[:-1], before[:-1], strict=True)):
-                sums[i] += a - b
-            sums[-1] += got.samples[0].ttft_ms / 1e3
+            _, after = await asyncio.to_thread(self.read, counted + 1)
+            sums = self.sums.setdefault(kind, dict.fromkeys([*self.FIGURES, "client_ttft"], 0.0))
+            for figure in self.FIGURES:
+                sums[figure] += after[figure] - before[figure]
+            sums["client_ttft"] += got.samples[0].ttft_ms / 1e3
             self.counts[kind] = self.counts.get(kind, 0) + 1
         return got
 
     def means(self) -> dict[str, dict[str, float]]:
-        return {kind: {name: round(total * 1e3 / self.counts[kind], 2) for name, total in zip(self.NAMES, sums)}
+        return {kind: {figure: round(total * 1e3 / self.counts[kind], 2) for figure, total in sums.items()}
                 for kind, sums in self.sums.items()}
 
 

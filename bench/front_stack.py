@@ -98,11 +98,9 @@ def pin(pid: int, cores: set[int]) -> None:
             os.sched_setaffinity(int(tid), cores)
 
 
-def metric_totals(server: Server | str, *names: str) -> list[float]:
-    """Each metric summed over its label sets (engines, finish reasons), from the /metrics of ``server``
-    (or of a base URL)."""
-    url = server if isinstance(server, str) else server.url
-    text = httpx.get(url + "/metrics", timeout=METRICS_TIMEOUT_S).text
+def metric_totals(base_url: str, *names: str) -> list[float]:
+    """Each metric summed over its label sets (engines, finish reasons), from ``base_url``/metrics."""
+    text = httpx.get(base_url + "/metrics", timeout=METRICS_TIMEOUT_S).text
     totals = dict.fromkeys(names, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -195,7 +193,7 @@ class Stack:
         names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total")
         deadline = time.monotonic() + METRICS_WAIT_S
         while True:
-            rows = [metric_totals(c, *names) for c in self.consumers]
+            rows = [metric_totals(c.url, *names) for c in self.consumers]
             if settled_requests is None or sum(r[2] for r in rows) >= settled_requests:
                 break
             if time.monotonic() > deadline:

@@ -100,7 +100,7 @@ class SchedulerPulls(PullTracker[torch.Tensor]):
     def _request_gone(self, rid: str) -> None:
         job = self._jobs.pop(rid, None)
         if job is not None and job[0].cancel():  # never started: its leases are still out
-            self.client.release_placed(job[1])
+            self._release(job[1])
         # (one already running ends within the client's deadlines and gives its leases back)
 
 
@@ -283,11 +283,11 @@ class WorkerPulls(PullTracker[str]):
             # A lookup still running hands its leases to this job's release when it ends.
             job.locating.add_done_callback(self._release_located)
         if job.placements:
-            self._threads.submit(self.client.release_placed, list(job.placements), handshake=True)
+            self._threads.submit(self._release, list(job.placements))
 
     def _release(self, placements: Sequence[Placement]) -> None:
         self.client.release_placed(list(placements), handshake=True)
 
     def _release_located(self, done: concurrent.futures.Future[list[Placement]]) -> None:
         if not done.cancelled() and done.exception() is None:
-            self.client.release_placed(done.result(), handshake=True)
+            self._release(done.result())

@@ -21,7 +21,7 @@ from epd_harness.media import image_url
 from epd_harness.procs import EncoderProcess, start_encoder
 from epd_harness.qwen3vl import write_qwen3vl_checkpoint
 from epd_harness.vllm import Server, connector_config, launch_vllm, start_proxy, stop_vllm, vllm_missing, wait_vllm
-from tests.support.scrape import sample_key, scrape
+from tests.support.scrape import scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -154,9 +154,8 @@ def test_conversations_keep_their_backend_and_a_busy_or_dead_one_is_avoided(stac
                              daemon=True) for _ in range(2)]
     for thread in held:
         thread.start()
-    running_on_a = sample_key(PROXY_BACKEND_RUNNING, {"backend": a.url})
     _wait_until("the proxy to count two requests in flight on the stalled backend",
-                lambda: scrape(stack.proxy.port).samples.get(running_on_a) == 2)
+                lambda: scrape(stack.proxy.port).get(PROXY_BACKEND_RUNNING, backend=a.url) == 2)
     # Over the bound now (ceil(1.25 x 3 / 2) = 2): the next turn and a new conversation go to the other.
     before = _served(stack, [b])
     chat.turn(stack.proxy, "still there?", timeout=TURN_BUSY_S)
