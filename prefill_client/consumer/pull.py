@@ -25,6 +25,7 @@ from common.metrics import PrefillMetrics
 from common.transport import ConsumerTransport
 from common.wire import pb2
 from prefill_client.consumer.connection import EncoderConnection
+from prefill_client.consumer.recent import RecentMap
 from prefill_client.consumer.release import LeaseReleaser, OnBehalf, Kept
 from prefill_client.consumer.verify import check_location, gather_batch, verify_batch
 
@@ -97,7 +98,7 @@ class Puller:
     """
 
     def __init__(self, transport: ConsumerTransport, metrics: PrefillMetrics, pull_timeout_s: float,
-                 local: LocalCache, releaser: LeaseReleaser, where: dict[str, str]) -> None:
+                 local: LocalCache, releaser: LeaseReleaser, where: RecentMap[str, str]) -> None:
         self.transport = transport
         self.metrics = metrics
         self.pull_timeout_s = pull_timeout_s

@@ -34,7 +34,7 @@ from prefill_client.proxy.errors import ENCODE_FAILURES, FIXED_MODEL_SOURCE, UNA
 from prefill_client.proxy.front import Front, count_media_parts, load_api_keys
 from prefill_client.proxy.media import MediaReader, cache_salt, video_fps
 from prefill_client.proxy.readiness import Readiness
-from prefill_client.proxy.rewrite import Part, repeats, rewrite
+from prefill_client.proxy.rewrite import Part, rewrite
 from prefill_client.proxy.routing import affinity_key, make_policy
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,6 @@ class Proxy:
             async with self._clients.use(model) as client:
                 placements = await self._place(client, model, source, parts)
                 self._front.placed(placements)
-                client.release_placed(repeats(placements))  # the same image twice: one lease is enough
                 rewrite(body, parts, placements, client)
                 if self._disagg is not None:
                     return await self._disagg.chat(body, request, client, placements)

@@ -85,13 +85,3 @@ def video_timestamps(num_frames: int, fps: float, grid_t: int) -> list[float]:
     indices = list(range(num_frames)) + [num_frames - 1] * (grid_t * per_patch - num_frames)
     return [(indices[i] + indices[i + per_patch - 1]) / 2 / fps for i in range(0, len(indices), per_patch)]
 
-
-def repeats(placements: Sequence[Placement]) -> list[Placement]:
-    """Placements of an mm_hash placed before in the same request."""
-    seen: set[str] = set()
-    out: list[Placement] = []
-    for p in placements:
-        if p.mm_hash in seen:
-            out.append(p)
-        seen.add(p.mm_hash)
-    return out

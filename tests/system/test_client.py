@@ -10,6 +10,7 @@ import pytest
 from common import media
 from common.errors import CacheFullError, ECLoadFailure, InvalidMediaError, LoadFailureReason
 from common.transport import PostInfo
+from common.wire import pb2
 from epd_harness.media import image_bytes, video_frames
 from epd_harness.ports import free_port
 from epd_harness.procs import start_encoder
@@ -170,11 +171,16 @@ def test_restarted_producer_is_re_handshaken(tmp_path, transport) -> None:
         with EncoderCacheClient(f"127.0.0.1:{port}", MODEL, transport_kind=transport) as client:
             assert matches(client.encode([MediaSpec.image(img1)])[0].embeddings, REF.image(img1))
             first = client.connection(client.targets[0]).incarnation_id
+            client.release_placed(client.place([MediaSpec.image(img1)]))  # remembered under the first incarnation
             assert enc.terminate() == 0
             enc = start_encoder(tmp_path, *args, name="second")
             got = client.encode([MediaSpec.image(img2)])[0]
             assert matches(got.embeddings, REF.image(img2))
             assert client.connection(client.targets[0]).incarnation_id == enc.incarnation_id != first
+            # Placed before the restart under the first incarnation: encoded again, not looked up.
+            placed = client.place([MediaSpec.image(img1)])
+            assert placed[0].incarnation_id == enc.incarnation_id and placed[0].location.result == pb2.CACHE_RESULT_MISS
+            assert matches(client.pull_placed(placed)[0].embeddings, REF.image(img1))
     finally:
         enc.terminate()
 
@@ -189,11 +195,17 @@ def test_two_encoders_spread_items_and_fail_over(tmp_path) -> None:
             assert {p.encoder for p in pulled} == {a.target, b.target}
             for p, img in zip(pulled, images):
                 assert matches(p.embeddings, REF.image(img))
+            client.place([MediaSpec.image(img) for img in images])  # remembered where they are
             a.kill()
             more = [image_bytes(64, 64, seed=200 + i) for i in range(8)]
             pulled = client.encode([MediaSpec.image(img) for img in more])
             assert {p.encoder for p in pulled} == {b.target}
             for p, img in zip(pulled, more):
+                assert matches(p.embeddings, REF.image(img))
+            # The Lookup of the items remembered on a fails; they are encoded on b instead.
+            placed = client.place([MediaSpec.image(img) for img in images])
+            assert {p.encoder for p in placed} == {b.target}
+            for p, img in zip(client.pull_placed(placed), images, strict=True):
                 assert matches(p.embeddings, REF.image(img))
     finally:
         a.kill()
@@ -265,3 +277,43 @@ def test_placed_items_are_pulled_by_another_consumer_and_released_in_the_placers
         with pytest.raises(ECLoadFailure) as info:
             puller.pull_placed([dataclasses.replace(fresh, location=loc)])
         assert info.value.reason in (LoadFailureReason.TAG_MISMATCH, LoadFailureReason.GENERATION_MISMATCH)
+
+
+def test_bytes_placed_before_are_looked_up_not_sent_again(encoder) -> None:
+    """A client places bytes it placed before with one Lookup of the mm_hash the encoder answered
+    then (not an Encode carrying them); what the Lookup does not find is encoded; a salt is another
+    item. Every placement is pulled by another consumer, verified, and equals the reference."""
+    from tests.support.scrape import scrape
+
+    a, b, c = (image_bytes(96, 64, seed=60 + i) for i in range(3))
+
+    def calls() -> tuple[float, float]:
+        got = scrape(encoder.metrics_port)
+        return (got.get("epd_encoder_requests_total", method="Encode", code="OK"),
+                got.get("epd_encoder_requests_total", method="Lookup", code="OK"))
+
+    with EncoderCacheClient(encoder.target, MODEL, transport_kind=encoder.transport, consumer_id="placer2") as placer, \
+            EncoderCacheClient(encoder.target, MODEL, transport_kind=encoder.transport, consumer_id="puller2",
+                               local_cache_blocks=0) as puller:  # every item READ from its placement
+        first = placer.place([MediaSpec.image(a), MediaSpec.image(b)])
+        before = calls()
+        again = placer.place([MediaSpec.image(a), MediaSpec.image(c), MediaSpec.image(a)])
+        after = calls()
+        # a by one Lookup (named twice: one mm_hash asked, one lease shared), c by one Encode.
+        assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+        assert again[0].mm_hash == first[0].mm_hash and again[0].location.result == pb2.CACHE_RESULT_HIT
+        assert again[2].location.lease_id == again[0].location.lease_id
+        assert again[1].location.result == pb2.CACHE_RESULT_MISS
+        # Under a salt the same bytes are another item: encoded, not looked up.
+        salted = placer.place([MediaSpec.image(a, cache_salt="tenant-x")])[0]
+        assert salted.mm_hash != first[0].mm_hash and salted.location.result == pb2.CACHE_RESULT_MISS
+        assert calls()[1] == after[1]
+        # What the client remembers is no longer on the encoder (here: a name it never had): encoded.
+        key = (MediaSpec.image(b).key(), "")
+        target, incarnation, _ = placer._placed.get(key)
+        placer._placed[key] = (target, incarnation, "0" * 32)
+        refound = placer.place([MediaSpec.image(b)])[0]
+        assert refound.mm_hash == first[1].mm_hash and calls()[0] == after[0] + 2
+        placed = [*first, again[0], again[1], salted, refound]  # again[2] is again[0]
+        for p, data in zip(puller.pull_placed(placed), [a, b, a, c, a, b], strict=True):
+            assert matches(p.embeddings, REF.image(data)), p.mm_hash

@@ -215,7 +215,7 @@ def test_bad_media_is_400_naming_the_part(stack: Stack) -> None:
 
 def test_tenants_cache_salts_keep_their_items_apart(stack: Stack) -> None:
     """One image from two tenants: two encoder entries (each pulled by the connector under its own
-    salted uuid), each tenant's repeat encodes nothing, and every answer is plain vLLM's for the same
+    salted uuid), each tenant's repeat encodes nothing (the proxy finds it by Lookup), and every answer is plain vLLM's for the same
     body (``cache_salt`` included: vLLM salts its prefix cache with it)."""
     image = image_url(40, 192, 160)
     before = scrape(stack.encoder.metrics_port)
@@ -224,7 +224,10 @@ def test_tenants_cache_salts_keep_their_items_apart(stack: Stack) -> None:
         _assert_same(_post(stack.proxy.url, body), _post(stack.baseline.url, body), f"image under {salt}")
     after = scrape(stack.encoder.metrics_port)
     assert after.delta(before, "vllm_neuron:device_encoder_cache_misses_total") == 2
-    assert after.delta(before, "vllm_neuron:device_encoder_cache_queries_total") == 4
+    assert after.delta(before, "vllm_neuron:device_encoder_cache_queries_total") == 2
+    # Each repeat was found by the proxy's Lookup of the mm_hash its tenant's first request got.
+    assert after.delta(before, "epd_encoder_requests_total", method="Encode", code="OK") == 2
+    assert after.delta(before, "epd_encoder_requests_total", method="Lookup", code="OK") == 2
     assert _load_failures(stack) == 0
     bad = {**chat_body(MODEL, [image], "x"), "cache_salt": ""}
     resp = _post(stack.proxy.url, bad)
@@ -245,6 +248,30 @@ def _engine_still_serves(stack: Stack, seed: int) -> None:
     assert stack.consumer.alive(), stack.consumer.log()[-4000:]
     body = chat_body(MODEL, [image_url(seed, 128, 128)], "next request")
     _assert_same(_post(stack.proxy.url, body), _post(stack.baseline.url, body), "the request after a failure")
+
+
+def _leases(stack: Stack) -> float:
+    return scrape(stack.encoder.metrics_port).get("epd_encoder_leases_active")
+
+
+def test_an_image_named_twice_stays_leased_until_the_connector_pulls_it(stack: Stack) -> None:
+    """One image twice in a request: the encoder answers both with one lease, and it pins the item
+    until the connector has pulled it (the proxy gave it back at once before: the item was
+    unpinned while the request waited for vLLM)."""
+    deadline = time.monotonic() + 10
+    while _leases(stack) > 0 and time.monotonic() < deadline:  # earlier tests' leases end at their ttl
+        time.sleep(0.05)
+    assert _leases(stack) == 0
+    image = image_url(41, 160, 160)
+    body = chat_body(MODEL, [image, image], "are these equal?")
+    thread, out = _held_request(stack, body)
+    time.sleep(0.5)  # a release the proxy sent has landed by now; the lease's ttl (1.5 s) has not run out
+    held = _leases(stack)
+    stack.gate.open()
+    thread.join(120)
+    assert held == 1, "the item was not leased while its request waited for the backend"
+    _assert_same(out[0], _post(stack.baseline.url, body), "one image twice")
+    assert _load_failures(stack) == 0
 
 
 def test_item_evicted_between_proxy_and_pull_fails_that_request_only(stack: Stack) -> None:
