@@ -15,7 +15,13 @@ the same loop so a noisy neighbour slows all of them alike:
 - ``encode_cached_ms``: :meth:`EncoderCacheClient.encode` of the same (already
   cached) PNGs, new ``MediaSpec`` objects each round (nothing memoized);
 - ``send_ms``: the same request bytes sent in one RPC to the echo server,
-  which answers an empty message.
+  which answers an empty message;
+- ``place_sent_ms`` / ``place_known_ms``: what ``epd proxy`` does for one held
+  ``--place-size`` PNG (phase e's size by default), nothing pulled:
+  :meth:`EncoderCacheClient.place` by a client that never placed it (an Encode
+  carrying its bytes, a hit on the encoder; a new client each round, handshaken
+  before the round), and by a client that placed it before (a Lookup of the
+  mm_hash its encoder answered then); the leases given back outside the timing.
 
 Targets: ``lookup_ms <= 1.5 x floor_ms``, ``encode_cached_ms <= 2 x send_ms``.
 
@@ -86,7 +92,7 @@ def median_ms(samples: list[float]) -> float:
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     images = [image_bytes(args.size, args.size, seed=7000 + i) for i in range(args.items)]
     tokens = (args.size // 32) ** 2
-    blocks = args.items * -(-tokens // args.block_size) + 2
+    blocks = args.items * -(-tokens // args.block_size) + -(-(args.place_size // 32) ** 2 // args.block_size) + 2
     encoder_args, echo_args = ((), ()) if args.keep_freed_memory else (
         ("--keep-freed-memory", "false"), ("--no-keep-freed-memory",))
     encoder = start_encoder(workdir, *bench_encoder_args(args.transport, blocks, args.block_size), *encoder_args)
@@ -115,8 +121,20 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
                                                incarnation_id=hs.incarnation_id)
 
             samples: dict[str, list[float]] = {k: [] for k in ("lookup", "lookup_rpc", "bare_read",
-                                                               "encode_cached", "send")}
+                                                               "encode_cached", "send", "place_sent", "place_known")}
+            held = image_bytes(args.place_size, args.place_size, seed=7999)
+            client.release_placed(client.place([MediaSpec.image(held)]))  # cached, and this client knows it
+            placers = [new_placer(target, transport) for _ in range(args.repeats + 2)]
             for i in range(args.repeats + 2):
+                placer = placers[i]
+                for who, name in ((placer, "place_sent"), (client, "place_known")):
+                    started = time.perf_counter()
+                    placed = who.place([MediaSpec.image(held)])
+                    times_place = time.perf_counter() - started
+                    who.release_placed(placed)
+                    if i >= 2:
+                        samples[name].append(times_place)
+                placer.close()
                 times = {"lookup": timed(lambda: client.lookup(hashes, require=True))}
                 started = time.perf_counter()
                 resp = stub.Lookup(lookup_request, timeout=RPC_TIMEOUT_S)
@@ -155,8 +173,18 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         "encode_cached_over_send": round(ms["encode_cached"] / ms["send"], 2),
         "targets": {"lookup_ms <= 1.5 x floor_ms": ms["lookup"] <= 1.5 * floor,
                     "encode_cached_ms <= 2 x send_ms": ms["encode_cached"] <= 2 * ms["send"]},
+        "place_size": args.place_size, "place_sent_ms": ms["place_sent"], "place_known_ms": ms["place_known"],
+        "place_known_over_sent": round(ms["place_known"] / ms["place_sent"], 2),
         "repeats": args.repeats,
     }
+
+
+def new_placer(target: str, transport: str) -> EncoderCacheClient:
+    """A client as ``epd proxy`` makes one (places, pulls nothing), handshaken."""
+    placer = EncoderCacheClient(target, MODEL_ID, transport_kind=transport, landing_blocks=1, local_cache_blocks=0,
+                                rpc_timeout_s=RPC_TIMEOUT_S)
+    placer.media_params()
+    return placer
 
 
 def main() -> None:
@@ -166,6 +194,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=512, help="image side in pixels")
     parser.add_argument("--block-size", type=int, default=256, help="the encoder's rows per block")
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--place-size", type=int, default=224, help="side in pixels of the image placed")
     parser.add_argument("--serve-echo", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
                         help="glibc's default malloc thresholds here, in the echo server and in the encoder")
@@ -182,7 +211,8 @@ def main() -> None:
         out = run(args, Path(tmp))
     print(f"lookup {out['lookup_ms']} ms vs floor {out['floor_ms']} ms ({out['lookup_over_floor']}x); "
           f"encode of cached items {out['encode_cached_ms']} ms vs send {out['send_ms']} ms "
-          f"({out['encode_cached_over_send']}x)", flush=True)
+          f"({out['encode_cached_over_send']}x); place of a held {out['place_size']} px image "
+          f"{out['place_known_ms']} ms known vs {out['place_sent_ms']} ms sent", flush=True)
     print(json.dumps(out))
 
 
