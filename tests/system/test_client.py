@@ -195,7 +195,7 @@ def test_two_encoders_spread_items_and_fail_over(tmp_path) -> None:
             assert {p.encoder for p in pulled} == {a.target, b.target}
             for p, img in zip(pulled, images):
                 assert matches(p.embeddings, REF.image(img))
-            client.place([MediaSpec.image(img) for img in images])  # remembered where they are
+            client.release_placed(client.place([MediaSpec.image(img) for img in images]))  # remembered where they are
             a.kill()
             more = [image_bytes(64, 64, seed=200 + i) for i in range(8)]
             pulled = client.encode([MediaSpec.image(img) for img in more])
