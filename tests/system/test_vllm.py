@@ -215,8 +215,9 @@ def test_bad_media_is_400_naming_the_part(stack: Stack) -> None:
 
 def test_tenants_cache_salts_keep_their_items_apart(stack: Stack) -> None:
     """One image from two tenants: two encoder entries (each pulled by the connector under its own
-    salted uuid), each tenant's repeat encodes nothing (the proxy finds it by Lookup), and every answer is plain vLLM's for the same
-    body (``cache_salt`` included: vLLM salts its prefix cache with it)."""
+    salted uuid), each tenant's repeat encodes nothing (the proxy finds it by Lookup), and every
+    answer is plain vLLM's for the same body (``cache_salt`` included: vLLM salts its prefix cache
+    with it)."""
     image = image_url(40, 192, 160)
     before = scrape(stack.encoder.metrics_port)
     for salt in ("tenant-a", "tenant-b", "tenant-a", "tenant-b"):
