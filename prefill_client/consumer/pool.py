@@ -12,7 +12,10 @@ cluster without a restart:
   queued for release are out). A resolution that fails keeps the last set.
 - **Readiness.** Every refresh asks each encoder's ``grpc.health.v1`` for
   ``readiness``, all at once with a short deadline. An encoder that is warming
-  up or draining (NOT_SERVING) or does not answer gets no new item: items go
+  up or draining (NOT_SERVING), refuses the connection, or misses the deadline
+  :data:`MISSED_PROBES` times in a row gets no new item (one slow answer on a
+  busy node does not move an encoder's items elsewhere, where they would be
+  encoded again): items go
   to the first *ready* encoder in their rendezvous order, and only when none
   is ready to the others, in the same order (the call then fails over as
   before). Items already leased on a non-ready encoder are still pulled and
@@ -49,6 +52,7 @@ _T = TypeVar("_T")
 
 DEFAULT_REFRESH_INTERVAL_S = 2.0
 HEALTH_TIMEOUT_S = 0.5
+MISSED_PROBES = 2  # readiness probes in a row without an answer in time before a ready encoder is not
 # How long a connection to an encoder that left the list stays open: its queued lease
 # releases go out meanwhile (they get at least MIN_RELEASE_TIMEOUT_S each).
 RETIRE_GRACE_S = 10.0
@@ -66,6 +70,7 @@ class _Member:
     conn: EncoderConnection
     ready: bool = True  # until the first probe says otherwise
     refused_until: float = 0.0  # serves other vision weights: no new items, no handshake before then
+    missed: int = 0  # readiness probes in a row that got no answer by their deadline
 
     def takes_items(self, now: float) -> bool:
         return self.ready and self.refused_until <= now
@@ -210,15 +215,20 @@ class EncoderPool:
         self._close_retired(time.monotonic())
 
     def _probe(self) -> None:
-        """Readiness of every known encoder, asked at once; no answer in time is not ready."""
+        """Readiness of every known encoder, asked at once: SERVING is ready; NOT_SERVING or a
+        failed call is not; no answer in time keeps a ready encoder ready until the
+        :data:`MISSED_PROBES`-th time in a row."""
         members = list(self._members.items())
         calls = [(target, member, member.conn.readiness(self.health_timeout_s)) for target, member in members]
         for target, member, call in calls:
             try:
                 ready = call.result().status == health_pb2.HealthCheckResponse.SERVING
+                member.missed = 0
             except grpc.RpcError as exc:
-                ready = False
-                logger.debug("encoder %s readiness unknown: %s", target, exc.code())
+                late = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                member.missed = member.missed + 1 if late else MISSED_PROBES
+                ready = member.ready and member.missed < MISSED_PROBES
+                logger.debug("encoder %s readiness unknown: %s (%d in a row)", target, exc.code(), member.missed)
             if ready != member.ready:
                 logger.info("encoder %s is %s", target, "ready" if ready else "not ready (no new items)")
             member.ready = ready

@@ -9,8 +9,11 @@ for a new one (a liveness probe must not fail because a check is slow).
   ``--membership-refresh-s``), over connections that only ask readiness: no handshake, no
   transport, no model id, so it works before the first request made an encoder client.
 - **Backends**: each known backend's ``GET /health`` (vLLM answers 200 while its engine is
-  alive), all at once within :data:`BACKEND_PROBE_TIMEOUT_S`. With ``--prefill``/``--decode``
-  the two pools are two sides, each needing a healthy member.
+  alive), all at once within :data:`BACKEND_PROBE_TIMEOUT_S`; a backend that answered before
+  and now misses the deadline stays ready until it misses it
+  :data:`~prefill_client.consumer.pool.MISSED_PROBES` times in a row (a busy API server is
+  not a dead one; a refused connection or another status counts at once). With
+  ``--prefill``/``--decode`` the two pools are two sides, each needing a healthy member.
 
 An answer is kept :data:`CACHE_S`, and probes that arrive together share one check: a busy
 ``/ready`` does not flood the backends.
@@ -32,7 +35,7 @@ from common.config import ProxyConfig
 from common.errors import ConfigError
 from common.metrics import PrefillMetrics
 from prefill_client.consumer.connection import EncoderConnection
-from prefill_client.consumer.pool import EncoderPool
+from prefill_client.consumer.pool import MISSED_PROBES, EncoderPool
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +150,7 @@ class Readiness:
         self._last: tuple[float, State] | None = None
         self._background: asyncio.Task[State] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._missed: dict[str, int] = {}  # backend -> probes in a row it did not answer in time (ready ones only)
 
     def _watch_side(self) -> Side:
         assert self._watch is not None
@@ -170,6 +174,8 @@ class Readiness:
             encoders, *pools = await asyncio.gather(self._encoder_side(),
                                                     *(self._backend_side(urls) for urls in self._pools.values()))
             state = State(encoders, tuple(zip(self._pools, pools)))
+            members = {u for side in pools for u in (*side.ready, *side.not_ready)}
+            self._missed = {u: n for u, n in self._missed.items() if u in members}  # backends that left
             if self._last is None or self._last[1].ready != state.ready:
                 logger.info("epd proxy is %s", "ready" if state.ready else
                             f"not ready ({', '.join(state.body()['not_ready'])} not ready)")
@@ -189,14 +195,35 @@ class Readiness:
         if self._session is None:  # its own session: these calls are no request's backend calls
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BACKEND_PROBE_TIMEOUT_S))
         answers = await asyncio.gather(*(self._healthy(self._session, url) for url in urls))
-        return Side(tuple(u for u, ok in zip(urls, answers) if ok), tuple(u for u, ok in zip(urls, answers) if not ok))
+        ok = [self._verdict(url, answer) for url, answer in zip(urls, answers)]
+        return Side(tuple(u for u, good in zip(urls, ok) if good), tuple(u for u, good in zip(urls, ok) if not good))
+
+    def _verdict(self, url: str, answer: bool | None) -> bool:
+        """Ready or not from this probe's ``answer`` (None: no answer in time), and the misses before."""
+        if answer is not None:
+            if answer:
+                self._missed[url] = 0
+            else:
+                self._missed.pop(url, None)
+            return answer
+        if url not in self._missed:  # not ready before: a late answer does not make it ready
+            return False
+        self._missed[url] += 1
+        if self._missed[url] < MISSED_PROBES:
+            return True
+        del self._missed[url]
+        return False
 
     @staticmethod
-    async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
+    async def _healthy(session: aiohttp.ClientSession, url: str) -> bool | None:
+        """Whether ``url`` answers its /health with 200; None when it did not answer in time."""
         try:
             async with session.get(url.rstrip("/") + "/health") as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except asyncio.TimeoutError:
+            logger.debug("backend %s health: no answer within %.1f s", url, BACKEND_PROBE_TIMEOUT_S)
+            return None
+        except aiohttp.ClientError as exc:
             logger.debug("backend %s health unknown: %s", url, exc or type(exc).__name__)
             return False
 

@@ -24,8 +24,16 @@ class _Unreachable(grpc.RpcError):
         return grpc.StatusCode.UNAVAILABLE
 
 
+class _Late(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+LATE = -1  # a status that means: no answer by the probe's deadline
+
+
 class _Answer:
-    """What ``Check.future`` returns: a result, or the error an unreachable encoder gives."""
+    """What ``Check.future`` returns: a result, or the error an unreachable or late encoder gives."""
 
     def __init__(self, status: int | None) -> None:
         self._status = status
@@ -33,6 +41,8 @@ class _Answer:
     def result(self) -> health_pb2.HealthCheckResponse:
         if self._status is None:
             raise _Unreachable()
+        if self._status == LATE:
+            raise _Late()
         return health_pb2.HealthCheckResponse(status=self._status)  # type: ignore[arg-type]
 
 
@@ -105,6 +115,35 @@ def test_new_items_skip_encoders_that_are_not_ready(listing: Path) -> None:
     FakeConnection.status = {}
     pool.refresh()
     assert pool.order(lambda: key)[0] == "h2:2"
+
+
+def test_one_late_probe_keeps_a_ready_encoder_its_items_two_in_a_row_do_not(listing: Path) -> None:
+    key = _key_preferring("h2:2", ["h1:1", "h2:2", "h3:3"])
+    pool = _pool(listing)
+    FakeConnection.status = {"h2:2": LATE}  # a busy node: the answer comes after the deadline
+    pool.refresh()
+    assert pool.ready("h2:2") and pool.order(lambda: key)[0] == "h2:2"
+    pool.refresh()  # the second in a row
+    assert not pool.ready("h2:2") and pool.order(lambda: key)[-1] == "h2:2"
+    pool.refresh()
+    assert not pool.ready("h2:2")  # not ready stays so until it answers SERVING
+    FakeConnection.status = {}
+    pool.refresh()
+    assert pool.ready("h2:2")
+    FakeConnection.status = {"h2:2": LATE}
+    pool.refresh()
+    FakeConnection.status = {}
+    pool.refresh()  # an answer in time starts the count again
+    FakeConnection.status = {"h2:2": LATE}
+    pool.refresh()
+    assert pool.ready("h2:2")
+    FakeConnection.status = {"h2:2": None}  # refused: not ready at once
+    pool.refresh()
+    assert not pool.ready("h2:2")
+    pool.report_down("h1:1")  # a failed call's verdict is not undone by a late probe
+    FakeConnection.status = {"h1:1": LATE}
+    pool.refresh()
+    assert not pool.ready("h1:1")
 
 
 def test_a_failed_call_routes_around_until_the_next_probe(listing: Path) -> None:

@@ -478,6 +478,16 @@ def test_probes_that_arrive_together_share_one_check() -> None:
     _run(test)
 
 
+def test_a_backend_that_answered_stays_ready_through_one_late_probe() -> None:
+    """A busy API server is not a dead one: one /health past the deadline keeps a ready backend
+    ready, the second in a row does not; a refused connection or another status counts at once."""
+    readiness = Readiness(ProxyConfig(encoders=("127.0.0.1:1",)), lambda: ["http://b"],
+                          encoders=lambda: Side(("e",)))
+    verdicts = [readiness._verdict("http://b", answer)
+                for answer in (None, True, None, None, None, True, None, True, None, False, None)]
+    assert verdicts == [False, True, True, False, False, True, True, True, True, False, False]
+
+
 @contextlib.contextmanager
 def _health_server(status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> Any:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
