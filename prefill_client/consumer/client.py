@@ -7,6 +7,7 @@ and the reference prefill worker use. It composes the pieces of this package:
 - :mod:`.pool` and :mod:`.routing`: the encoders known now, and which one an item goes to
   (rendezvous hashing, the next one when one is down);
 - :mod:`.pull`: the verified pull (blocks, then tags, then the checks) and the local cache;
+- :mod:`.known`: items placed before, found again by Lookup instead of sent again;
 - :mod:`.release`: leases given back in batches, in the name of whoever took them.
 
 Requests are batched: one RPC per encoder for all of its items, and one block READ and one
@@ -51,6 +52,7 @@ from common.metrics import PrefillMetrics
 from common.transport import ConsumerTransport
 from common.wire import pb2
 from prefill_client.consumer.connection import EncoderConnection, MediaSpec
+from prefill_client.consumer.known import KnownPlacements, distinct
 from prefill_client.consumer.pool import DEFAULT_REFRESH_INTERVAL_S, EncoderDown, EncoderPool
 from prefill_client.consumer.pull import LocalCache, PulledItem, Puller, load_failure
 from prefill_client.consumer.recent import RecentMap
@@ -117,9 +119,8 @@ class EncoderCacheClient:
             logger.info("no expected vision weights digest: encoders of any weights are accepted")
         self._local = LocalCache(local_cache_blocks)
         self._where: RecentMap[str, str] = RecentMap()  # mm_hash -> encoder target it was found on
-        # (content key, cache_salt) -> (encoder target, its incarnation, mm_hash) of items placed
-        self._placed: RecentMap[tuple[str, str], tuple[str, str, str]] = RecentMap()
         self._releaser = LeaseReleaser()
+        self._known = KnownPlacements(self._pool, self._where, self.consumer_id, self._calling, self.release_placed)
         self._puller = Puller(self.transport, self.metrics, pull_timeout_s, self._local, self._releaser, self._where)
 
     @property
@@ -188,64 +189,20 @@ class EncoderCacheClient:
         """Encode (or find) every item on its encoder, as :meth:`encode` does, but pull nothing:
         the leased locations, in order, for another process to pull (:meth:`pull_placed`).
 
-        An item this client placed before (the same bytes under the same ``cache_salt``) is
-        looked up first by the mm_hash its encoder answered then: one small Lookup instead of
-        sending the bytes again. Only what that Lookup does not find (evicted, the encoder
-        restarted or left) is sent in an Encode. The leases end when the puller releases them,
-        or at the encoder's lease ttl; an item named twice shares one lease, as in an Encode.
+        Items placed before are looked up first (:mod:`.known`); only the rest is sent in an
+        Encode. The leases end when the puller releases them, or at the encoder's lease ttl.
         """
-        out = self._place_known(items)
+        out = self._known.find(items)
         rest = [i for i, p in enumerate(out) if p is None]
         if rest:
             try:
                 placed = self._per_encoder([items[i] for i in rest], self._place_on)
             except BaseException:
-                self.release_placed(_distinct(out))
+                self.release_placed(distinct(out))
                 raise
             for i, p in zip(rest, placed):
                 out[i] = p
         return [p for p in out if p is not None]
-
-    def _place_known(self, items: Sequence[MediaSpec]) -> list[Placement | None]:
-        """Placements of the items this client placed before, by one Lookup per encoder of the
-        mm_hashes it answered then; None for the rest (new, forgotten, no longer found, or on an
-        encoder that left, restarted or is not ready: the Encode path decides what that means)."""
-        out: list[Placement | None] = [None] * len(items)
-        groups: dict[tuple[str, str], dict[str, list[int]]] = collections.defaultdict(dict)
-        for i, item in enumerate(items):
-            known = self._placed.get((item.key(), item.cache_salt))
-            if known is not None:
-                target, incarnation, mm_hash = known
-                groups[(target, incarnation)].setdefault(mm_hash, []).append(i)
-        try:
-            for (target, incarnation), wanted in groups.items():
-                conn = self._pool.conn(target)
-                if conn is None or conn.incarnation_id != incarnation or not self._pool.ready(target):
-                    continue
-                try:
-                    # A timeout fails the call as an Encode's would (overloaded: no second try);
-                    # an encoder that is down or refuses is left to the Encode path's fail-over.
-                    with self._calling(conn, [items[i] for indices in wanted.values() for i in indices]):
-                        locations = conn.lookup(list(wanted))
-                except ECLoadFailure:
-                    raise
-                except EpdError as exc:
-                    logger.debug("lookup of %d known items on %s failed (%s): encoding them", len(wanted), target, exc)
-                    continue
-                if conn.incarnation_id != incarnation:  # it restarted meanwhile: its answer is its new cache's
-                    conn.release([loc.lease_id for loc in locations if loc is not None])
-                    continue
-                for indices, loc in zip(wanted.values(), locations):
-                    if loc is not None:
-                        placement = Placement(loc.mm_hash, target, incarnation, loc, conn.weights_digest,
-                                              self.consumer_id)
-                        for i in indices:
-                            out[i] = placement
-                self._where.update((h, target) for h, loc in zip(wanted, locations) if loc is not None)
-        except BaseException:
-            self.release_placed(_distinct(out))
-            raise
-        return out
 
     def locate(self, mm_hashes: Sequence[str]) -> list[Placement]:
         """Placements of items known by mm_hash (one Lookup RPC per encoder), leased to this
@@ -496,8 +453,7 @@ class EncoderCacheClient:
         with self._calling(conn, items):
             locations = self._encode_admitted(conn, items)
         self._where.update((loc.mm_hash, conn.target) for loc in locations)
-        self._placed.update(((item.key(), item.cache_salt), (conn.target, conn.incarnation_id, loc.mm_hash))
-                            for item, loc in zip(items, locations))
+        self._known.remember(conn, items, locations)
         return [Placement(loc.mm_hash, conn.target, conn.incarnation_id, loc, conn.weights_digest, self.consumer_id)
                 for loc in locations]
 
@@ -528,11 +484,6 @@ class EncoderCacheClient:
     def _fail(self, reason: LoadFailureReason, locs: Sequence[pb2.ItemLocation], detail: str = "",
               *, mm_hash: str = "") -> ECLoadFailure:
         return load_failure(self.metrics, reason, locs, detail, mm_hash=mm_hash)
-
-
-def _distinct(placements: Sequence[Placement | None]) -> list[Placement]:
-    """Each placement once (an item named twice shares one, and one lease)."""
-    return list({id(p): p for p in placements if p is not None}.values())
 
 
 class AsyncEncoderCacheClient:

@@ -310,8 +310,8 @@ def test_bytes_placed_before_are_looked_up_not_sent_again(encoder) -> None:
         assert calls()[1] == after[1]
         # What the client remembers is no longer on the encoder (here: a name it never had): encoded.
         key = (MediaSpec.image(b).key(), "")
-        target, incarnation, _ = placer._placed.get(key)
-        placer._placed[key] = (target, incarnation, "0" * 32)
+        target, incarnation, _ = placer._known._placed.get(key)
+        placer._known._placed[key] = (target, incarnation, "0" * 32)
         refound = placer.place([MediaSpec.image(b)])[0]
         assert refound.mm_hash == first[1].mm_hash and calls()[0] == after[0] + 2
         placed = [*first, again[0], again[1], salted, refound]  # again[2] is again[0]
