@@ -61,6 +61,17 @@ RETIRE_GRACE_S = 10.0
 REFUSED_RETRY_S = 30.0
 
 
+def after_probe(ready: bool, missed: int, answer: bool | None) -> tuple[bool, int]:
+    """Readiness and the deadlines missed in a row after one probe of a member that was ``ready``
+    with ``missed`` before. ``answer``: the probe's verdict, None when it got no answer by its
+    deadline. An answer decides at once; a ready member stays ready through missed deadlines until
+    the :data:`MISSED_PROBES`-th in a row; a member that was not ready stays not ready."""
+    if answer is not None:
+        return answer, 0
+    missed += 1
+    return ready and missed < MISSED_PROBES, missed
+
+
 class EncoderDown(EpdError):
     """An encoder did not answer, or serves other weights; the item moves to the next encoder in rendezvous order."""
 
@@ -221,14 +232,13 @@ class EncoderPool:
         members = list(self._members.items())
         calls = [(target, member, member.conn.readiness(self.health_timeout_s)) for target, member in members]
         for target, member, call in calls:
+            answer: bool | None
             try:
-                ready = call.result().status == health_pb2.HealthCheckResponse.SERVING
-                member.missed = 0
+                answer = call.result().status == health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError as exc:
-                late = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                member.missed = member.missed + 1 if late else MISSED_PROBES
-                ready = member.ready and member.missed < MISSED_PROBES
-                logger.debug("encoder %s readiness unknown: %s (%d in a row)", target, exc.code(), member.missed)
+                answer = None if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
+                logger.debug("encoder %s readiness unknown: %s (%d missed before)", target, exc.code(), member.missed)
+            ready, member.missed = after_probe(member.ready, member.missed, answer)
             if ready != member.ready:
                 logger.info("encoder %s is %s", target, "ready" if ready else "not ready (no new items)")
             member.ready = ready

@@ -35,7 +35,7 @@ from common.config import ProxyConfig
 from common.errors import ConfigError
 from common.metrics import PrefillMetrics
 from prefill_client.consumer.connection import EncoderConnection
-from prefill_client.consumer.pool import MISSED_PROBES, EncoderPool
+from prefill_client.consumer.pool import EncoderPool, after_probe
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class Readiness:
         self._last: tuple[float, State] | None = None
         self._background: asyncio.Task[State] | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._missed: dict[str, int] = {}  # backend -> probes in a row it did not answer in time (ready ones only)
+        self._probed: dict[str, tuple[bool, int]] = {}  # backend -> (ready, deadlines missed in a row)
 
     def _watch_side(self) -> Side:
         assert self._watch is not None
@@ -175,7 +175,7 @@ class Readiness:
                                                     *(self._backend_side(urls) for urls in self._pools.values()))
             state = State(encoders, tuple(zip(self._pools, pools)))
             members = {u for side in pools for u in (*side.ready, *side.not_ready)}
-            self._missed = {u: n for u, n in self._missed.items() if u in members}  # backends that left
+            self._probed = {u: v for u, v in self._probed.items() if u in members}  # backends that left
             if self._last is None or self._last[1].ready != state.ready:
                 logger.info("epd proxy is %s", "ready" if state.ready else
                             f"not ready ({', '.join(state.body()['not_ready'])} not ready)")
@@ -199,20 +199,11 @@ class Readiness:
         return Side(tuple(u for u, good in zip(urls, ok) if good), tuple(u for u, good in zip(urls, ok) if not good))
 
     def _verdict(self, url: str, answer: bool | None) -> bool:
-        """Ready or not from this probe's ``answer`` (None: no answer in time), and the misses before."""
-        if answer is not None:
-            if answer:
-                self._missed[url] = 0
-            else:
-                self._missed.pop(url, None)
-            return answer
-        if url not in self._missed:  # not ready before: a late answer does not make it ready
-            return False
-        self._missed[url] += 1
-        if self._missed[url] < MISSED_PROBES:
-            return True
-        del self._missed[url]
-        return False
+        """Ready or not from this probe's ``answer`` (None: no answer in time) and the probes before
+        (a backend not probed before is not ready)."""
+        ready, missed = after_probe(*self._probed.get(url, (False, 0)), answer)
+        self._probed[url] = (ready, missed)
+        return ready
 
     @staticmethod
     async def _healthy(session: aiohttp.ClientSession, url: str) -> bool | None:

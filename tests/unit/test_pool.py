@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2
 from common.errors import ConfigError, WeightsMismatchError
 from common.metrics import PrefillMetrics
 from prefill_client.consumer import pool as pool_module
-from prefill_client.consumer.pool import EncoderPool
+from prefill_client.consumer.pool import MISSED_PROBES, EncoderPool, after_probe
 from prefill_client.consumer.routing import rendezvous_order
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -267,3 +267,14 @@ def test_an_encoder_of_other_weights_gets_no_items(listing: Path, monkeypatch: p
     pool._members["h2:2"].refused_until = 0.0  # noqa: SLF001 - the pause, over
     pool.refresh()
     assert h2.encoder_id == "b" and metrics.encoders_ready._value.get() == 3  # type: ignore[attr-defined]
+
+
+def test_after_probe_an_answer_decides_and_only_a_ready_member_outlasts_late_ones() -> None:
+    state = (True, 0)
+    state = after_probe(*state, None)
+    assert state == (True, 1)  # one late answer: still ready
+    assert after_probe(*state, None) == (False, MISSED_PROBES)  # the second in a row: not ready
+    assert after_probe(*state, True) == (True, 0)  # an answer in time clears the count
+    assert after_probe(*state, False) == (False, 0)  # NOT_SERVING or refused: not ready at once
+    assert after_probe(False, 0, None) == (False, 1)  # a late answer never makes a member ready
+    assert after_probe(False, 5, True) == (True, 0)
