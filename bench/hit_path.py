@@ -16,12 +16,16 @@ the same loop so a noisy neighbour slows all of them alike:
   cached) PNGs, new ``MediaSpec`` objects each round (nothing memoized);
 - ``send_ms``: the same request bytes sent in one RPC to the echo server,
   which answers an empty message;
-- ``place_sent_ms`` / ``place_known_ms``: what ``epd proxy`` does for one held
-  ``--place-size`` PNG (phase e's size by default), nothing pulled:
-  :meth:`EncoderCacheClient.place` by a client that never placed it (an Encode
-  carrying its bytes, a hit on the encoder; a new client each round, handshaken
-  before the round), and by a client that placed it before (a Lookup of the
-  mm_hash its encoder answered then); the leases given back outside the timing.
+- ``place_sent_ms`` / ``place_derived_ms`` / ``place_known_ms``: what ``epd proxy``
+  does for one held ``--place-size`` PNG (phase e's size by default), nothing
+  pulled: :meth:`EncoderCacheClient.place` by a client that never placed it,
+  with the derived Lookup off (an Encode carrying its bytes, a hit on the
+  encoder: what an image under ``DERIVE_MIN_BYTES`` costs) and on (a Lookup of
+  the mm_hash it derives; new clients each round, handshaken before the round),
+  and by a client that placed it before (a Lookup of the mm_hash its encoder
+  answered then); the leases given back outside the timing;
+- ``lookup_miss_rpc_ms``: one raw ``Lookup`` of an mm_hash the encoder does not
+  have: what the derived Lookup adds before the Encode of a new image.
 
 Targets: ``lookup_ms <= 1.5 x floor_ms``, ``encode_cached_ms <= 2 x send_ms``.
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import statistics
@@ -40,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -55,6 +61,7 @@ from common.malloc import keep_freed_memory  # noqa: E402
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc  # noqa: E402
 from epd_harness.media import image_bytes  # noqa: E402
 from epd_harness.procs import bench_encoder_args, start_encoder  # noqa: E402
+from prefill_client.consumer import known  # noqa: E402
 from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
 from prefill_client.consumer.connection import MediaSpec, encode_request_bytes  # noqa: E402
 
@@ -120,22 +127,28 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
             lookup_request = pb2.LookupRequest(model_id=MODEL_ID, consumer_id="bench-floor", mm_hashes=hashes,
                                                incarnation_id=hs.incarnation_id)
 
-            samples: dict[str, list[float]] = {k: [] for k in ("lookup", "lookup_rpc", "bare_read",
-                                                               "encode_cached", "send", "place_sent", "place_known")}
+            samples: dict[str, list[float]] = {k: [] for k in (
+                "lookup", "lookup_rpc", "bare_read", "encode_cached", "send", "place_sent", "place_derived",
+                "place_known", "lookup_miss_rpc")}
             held = image_bytes(args.place_size, args.place_size, seed=7999)
             client.release_placed(client.place([MediaSpec.image(held)]))  # cached, and this client knows it
-            placers = [new_placer(target, transport) for _ in range(args.repeats + 2)]
+            placers = [(new_placer(target, transport), new_placer(target, transport)) for _ in range(args.repeats + 2)]
+            miss_request = pb2.LookupRequest(model_id=MODEL_ID, consumer_id="bench-floor", mm_hashes=["0" * 32],
+                                             incarnation_id=hs.incarnation_id)
             for i in range(args.repeats + 2):
-                placer = placers[i]
-                for who, name in ((placer, "place_sent"), (client, "place_known")):
-                    started = time.perf_counter()
-                    placed = who.place([MediaSpec.image(held)])
-                    times_place = time.perf_counter() - started
+                sender, deriver = placers[i]
+                for who, name in ((sender, "place_sent"), (deriver, "place_derived"), (client, "place_known")):
+                    with derived_lookup(name != "place_sent"):
+                        started = time.perf_counter()
+                        placed = who.place([MediaSpec.image(held)])
+                        times_place = time.perf_counter() - started
                     who.release_placed(placed)
                     if i >= 2:
                         samples[name].append(times_place)
-                placer.close()
-                times = {"lookup": timed(lambda: client.lookup(hashes, require=True))}
+                sender.close()
+                deriver.close()
+                times = {"lookup": timed(lambda: client.lookup(hashes, require=True)),
+                         "lookup_miss_rpc": timed(lambda: stub.Lookup(miss_request, timeout=RPC_TIMEOUT_S))}
                 started = time.perf_counter()
                 resp = stub.Lookup(lookup_request, timeout=RPC_TIMEOUT_S)
                 times["lookup_rpc"] = time.perf_counter() - started
@@ -173,10 +186,25 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         "encode_cached_over_send": round(ms["encode_cached"] / ms["send"], 2),
         "targets": {"lookup_ms <= 1.5 x floor_ms": ms["lookup"] <= 1.5 * floor,
                     "encode_cached_ms <= 2 x send_ms": ms["encode_cached"] <= 2 * ms["send"]},
-        "place_size": args.place_size, "place_sent_ms": ms["place_sent"], "place_known_ms": ms["place_known"],
+        "place_size": args.place_size, "place_bytes": len(held), "derive_min_bytes": known.DERIVE_MIN_BYTES,
+        "place_sent_ms": ms["place_sent"], "place_derived_ms": ms["place_derived"],
+        "place_known_ms": ms["place_known"], "lookup_miss_rpc_ms": ms["lookup_miss_rpc"],
         "place_known_over_sent": round(ms["place_known"] / ms["place_sent"], 2),
+        "place_derived_over_sent": round(ms["place_derived"] / ms["place_sent"], 2),
         "repeats": args.repeats,
     }
+
+
+@contextlib.contextmanager
+def derived_lookup(on: bool) -> Iterator[None]:
+    """Placements by mm_hashes derived from the bytes on (the default) or off (every item this
+    client did not place before goes in an Encode), for this block."""
+    saved = known.DERIVE_MIN_BYTES
+    known.DERIVE_MIN_BYTES = saved if on else sys.maxsize
+    try:
+        yield
+    finally:
+        known.DERIVE_MIN_BYTES = saved
 
 
 def new_placer(target: str, transport: str) -> EncoderCacheClient:
@@ -212,7 +240,8 @@ def main() -> None:
     print(f"lookup {out['lookup_ms']} ms vs floor {out['floor_ms']} ms ({out['lookup_over_floor']}x); "
           f"encode of cached items {out['encode_cached_ms']} ms vs send {out['send_ms']} ms "
           f"({out['encode_cached_over_send']}x); place of a held {out['place_size']} px image "
-          f"{out['place_known_ms']} ms known vs {out['place_sent_ms']} ms sent", flush=True)
+          f"{out['place_known_ms']} ms known, {out['place_derived_ms']} ms derived vs {out['place_sent_ms']} ms sent; "
+          f"a Lookup that misses {out['lookup_miss_rpc_ms']} ms", flush=True)
     print(json.dumps(out))
 
 

@@ -7,7 +7,8 @@ and the reference prefill worker use. It composes the pieces of this package:
 - :mod:`.pool` and :mod:`.routing`: the encoders known now, and which one an item goes to
   (rendezvous hashing, the next one when one is down);
 - :mod:`.pull`: the verified pull (blocks, then tags, then the checks) and the local cache;
-- :mod:`.known`: items placed before, found again by Lookup instead of sent again;
+- :mod:`.known`: items already on the encoders (placed before, or by their derived mm_hash),
+  found by Lookup instead of sent again;
 - :mod:`.release`: leases given back in batches, in the name of whoever took them.
 
 Requests are batched: one RPC per encoder for all of its items, and one block READ and one
@@ -120,7 +121,8 @@ class EncoderCacheClient:
         self._local = LocalCache(local_cache_blocks)
         self._where: RecentMap[str, str] = RecentMap()  # mm_hash -> encoder target it was found on
         self._releaser = LeaseReleaser()
-        self._known = KnownPlacements(self._pool, self._where, self.consumer_id, self._calling, self.release_placed)
+        self._known = KnownPlacements(self._pool, self._where, self.consumer_id, self._calling, self.release_placed,
+                                      model_id)
         self._puller = Puller(self.transport, self.metrics, pull_timeout_s, self._local, self._releaser, self._where)
 
     @property
@@ -189,8 +191,9 @@ class EncoderCacheClient:
         """Encode (or find) every item on its encoder, as :meth:`encode` does, but pull nothing:
         the leased locations, in order, for another process to pull (:meth:`pull_placed`).
 
-        Items placed before are looked up first (:mod:`.known`); only the rest is sent in an
-        Encode. The leases end when the puller releases them, or at the encoder's lease ttl.
+        Items already on their encoders are looked up first (:mod:`.known`: remembered from an
+        earlier placement, or big enough to look up by the mm_hash derived here); only the rest is
+        sent in an Encode. The leases end when the puller releases them, or at the encoder's lease ttl.
         """
         out = self._known.find(items)
         rest = [i for i, p in enumerate(out) if p is None]

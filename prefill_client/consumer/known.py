@@ -1,10 +1,19 @@
-"""Items a client placed before, found again by Lookup, not sent again (any process that places).
+"""Items already on the encoders, found by Lookup instead of sent again (any process that places).
 
-:class:`KnownPlacements` remembers, for the last items :meth:`EncoderCacheClient.place
-<prefill_client.consumer.client.EncoderCacheClient.place>` placed, the mm_hash their encoder
-answered for those bytes under that ``cache_salt``, with the encoder and its incarnation. The
-next placement of the same bytes is one Lookup of that mm_hash per encoder; what it does not
-find is left to the Encode path, which decides what a missing item or a down encoder means.
+:meth:`EncoderCacheClient.place <prefill_client.consumer.client.EncoderCacheClient.place>`
+asks :class:`KnownPlacements` first. It finds an item's mm_hash two ways:
+
+- **remembered**: for the last items this client placed, the mm_hash their encoder answered for
+  those bytes under that ``cache_salt``, with the encoder and its incarnation;
+- **derived**: for an item of :data:`DERIVE_MIN_BYTES` or more that it does not remember, the
+  mm_hash its encoder (the first ready one in its rendezvous order, handshaken before) keys it
+  by, computed here as the encoder computes it (model id, the preprocessing fingerprint the
+  encoder announced, the bytes' digest, the salt). So an image another proxy, another worker or
+  an earlier run of this one placed is found without sending its bytes.
+
+Either way it is one Lookup per encoder, and a Lookup answers only the entry an Encode of the same
+bytes would answer. What it does not find is left to the Encode path, which decides what a missing
+item or a down encoder means.
 """
 
 from __future__ import annotations
@@ -24,6 +33,10 @@ from prefill_client.handoff import Placement
 logger = logging.getLogger(__name__)
 
 Calling = Callable[[EncoderConnection, Sequence[MediaSpec]], contextlib.AbstractContextManager[None]]
+# An item this client does not remember is looked up by its derived mm_hash from this many bytes on:
+# smaller ones cost about as much to send in an Encode as a Lookup does, and a Lookup that
+# misses adds its round trip before the Encode (bench/hit_path.py, BENCHMARKS.md).
+DERIVE_MIN_BYTES = 64 << 10
 
 
 def distinct(placements: Sequence[Placement | None]) -> list[Placement]:
@@ -32,17 +45,20 @@ def distinct(placements: Sequence[Placement | None]) -> list[Placement]:
 
 
 class KnownPlacements:
-    """(content key, cache_salt) -> (encoder target, its incarnation, mm_hash) of the items placed.
+    """(content key, cache_salt) -> (encoder target, its incarnation, mm_hash) of the items placed,
+    and the mm_hash of the others derived.
 
     ``calling`` maps an RPC's failures as an Encode's (a timeout fails the call; an encoder that
     is down is :class:`~prefill_client.consumer.pool.EncoderDown`); ``where`` learns where items
     were found; ``release`` gives back placements a failed call had already been granted.
+    ``model_id``: the model the client serves (an input of every mm_hash).
     """
 
     def __init__(self, pool: EncoderPool, where: RecentMap[str, str], consumer_id: str, calling: Calling,
-                 release: Callable[[Sequence[Placement]], None]) -> None:
+                 release: Callable[[Sequence[Placement]], None], model_id: str) -> None:
         self._pool, self._where, self._consumer_id = pool, where, consumer_id
         self._calling, self._release = calling, release
+        self._model_id = model_id
         self._placed: RecentMap[tuple[str, str], tuple[str, str, str]] = RecentMap()
 
     def remember(self, conn: EncoderConnection, items: Sequence[MediaSpec],
@@ -52,15 +68,15 @@ class KnownPlacements:
                             for item, loc in zip(items, locations))
 
     def find(self, items: Sequence[MediaSpec]) -> list[Placement | None]:
-        """Placements of the items placed before, by one Lookup per encoder of the mm_hashes it
-        answered then; None for the rest (new, forgotten, no longer found, or on an encoder that
-        left, restarted or is not ready)."""
+        """Placements of the items already on the encoders, by one Lookup per encoder of their
+        remembered or derived mm_hashes; None for the rest (new, small and not remembered, no longer
+        found, or on an encoder that left, restarted or is not ready)."""
         out: list[Placement | None] = [None] * len(items)
         groups: dict[tuple[str, str], dict[str, list[int]]] = collections.defaultdict(dict)
         for i, item in enumerate(items):
-            known = self._placed.get((item.key(), item.cache_salt))
-            if known is not None:
-                target, incarnation, mm_hash = known
+            where = self._placed.get((item.key(), item.cache_salt)) or self._derived(item)
+            if where is not None:
+                target, incarnation, mm_hash = where
                 groups[(target, incarnation)].setdefault(mm_hash, []).append(i)
         try:
             for (target, incarnation), wanted in groups.items():
@@ -69,6 +85,16 @@ class KnownPlacements:
             self._release(distinct(out))
             raise
         return out
+
+    def _derived(self, item: MediaSpec) -> tuple[str, str, str] | None:
+        """(target, incarnation, mm_hash) of ``item`` on the encoder an Encode would send it to, when
+        it is big enough to be worth a Lookup and that encoder was handshaken before."""
+        if sum(len(frame) for frame in item.frames) < DERIVE_MIN_BYTES:
+            return None
+        order = self._pool.order(item.key, counted=False)
+        conn = self._pool.conn(order[0]) if order else None
+        derived = conn.mm_hash_of(self._model_id, item) if conn is not None else None
+        return None if derived is None else (order[0], *derived)
 
     def _find_on(self, target: str, incarnation: str, wanted: dict[str, list[int]], items: Sequence[MediaSpec],
                  out: list[Placement | None]) -> None:

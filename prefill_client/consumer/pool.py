@@ -143,10 +143,12 @@ class EncoderPool:
         member = self._members.get(target)
         return member is not None and member.ready
 
-    def order(self, key: Callable[[], str]) -> list[str]:
+    def order(self, key: Callable[[], str], *, counted: bool = True) -> list[str]:
         """Targets for an item, most preferred first: ready encoders in rendezvous order, then the rest.
 
         ``key`` (the item's content digest) is computed only when there is a choice to make.
+        ``counted``: an item routed past a not-ready encoder counts in ``epd_items_routed_away``
+        (off for a look that sends nothing).
         """
         members = dict(self._members)
         if len(members) <= 1:
@@ -155,7 +157,7 @@ class EncoderPool:
         ranked = rendezvous_order(key(), list(members), names)
         now = time.monotonic()
         ready = [t for t in ranked if members[t].takes_items(now)]
-        if ready and ready[0] != ranked[0]:
+        if counted and ready and ready[0] != ranked[0]:
             self.metrics.routed_away.inc()
         return ready + [t for t in ranked if not members[t].takes_items(now)]
 

@@ -317,3 +317,52 @@ def test_bytes_placed_before_are_looked_up_not_sent_again(encoder) -> None:
         placed = [*first, again[0], again[1], salted, refound]  # again[2] is again[0]
         for p, data in zip(puller.pull_placed(placed), [a, b, a, c, a, b], strict=True):
             assert matches(p.embeddings, REF.image(data)), p.mm_hash
+
+
+def test_big_bytes_another_client_placed_are_found_by_their_derived_mm_hash(encoder) -> None:
+    """A client that never placed an item of DERIVE_MIN_BYTES or more finds it on its encoder with
+    one Lookup of the mm_hash it derives from the bytes, as the encoder does (what another proxy or
+    worker placed is not sent again); under a salt the same bytes are another item (the Lookup
+    misses, an Encode places it); new big bytes cost a Lookup that misses, then an Encode; small
+    new bytes go straight to an Encode. Every placement is pulled by another consumer, verified,
+    and equals the reference."""
+    from prefill_client.consumer.known import DERIVE_MIN_BYTES
+    from tests.support.scrape import scrape
+
+    big, new_big = (image_bytes(224, 224, seed=70 + i) for i in range(2))
+    small, new_small = (image_bytes(64, 64, seed=72 + i) for i in range(2))
+    assert min(len(big), len(new_big)) >= DERIVE_MIN_BYTES > max(len(small), len(new_small))
+
+    def calls() -> tuple[float, float]:
+        got = scrape(encoder.metrics_port)
+        return (got.get("epd_encoder_requests_total", method="Encode", code="OK"),
+                got.get("epd_encoder_requests_total", method="Lookup", code="OK"))
+
+    def step(items: list[MediaSpec]) -> tuple[pb2.ItemLocation, tuple[float, float]]:
+        before = calls()
+        placement = other.place(items)[0]
+        after = calls()
+        placements.append(placement)
+        return placement.location, (after[0] - before[0], after[1] - before[1])
+
+    placements = []
+    with EncoderCacheClient(encoder.target, MODEL, transport_kind=encoder.transport, consumer_id="placer3") as placer, \
+            EncoderCacheClient(encoder.target, MODEL, transport_kind=encoder.transport, consumer_id="placer4") as other, \
+            EncoderCacheClient(encoder.target, MODEL, transport_kind=encoder.transport, consumer_id="puller3",
+                               local_cache_blocks=0) as puller:
+        first = placer.place([MediaSpec.image(big)])[0]
+        placements.append(first)
+        loc, moved = step([MediaSpec.image(small)])  # other's first call: its handshake, then an Encode
+        assert moved == (1, 0) and loc.result == pb2.CACHE_RESULT_MISS
+        loc, moved = step([MediaSpec.image(big)])
+        assert moved == (0, 1), "bytes on the encoder were sent again"
+        assert loc.mm_hash == first.mm_hash and loc.result == pb2.CACHE_RESULT_HIT
+        loc, moved = step([MediaSpec.image(big, cache_salt="tenant-y")])
+        assert moved == (1, 1) and loc.mm_hash != first.mm_hash and loc.result == pb2.CACHE_RESULT_MISS
+        loc, moved = step([MediaSpec.image(new_big)])
+        assert moved == (1, 1) and loc.result == pb2.CACHE_RESULT_MISS
+        loc, moved = step([MediaSpec.image(new_small)])
+        assert moved == (1, 0) and loc.result == pb2.CACHE_RESULT_MISS
+        sent = [big, small, big, big, new_big, new_small]
+        for p, data in zip(puller.pull_placed(placements), sent, strict=True):
+            assert matches(p.embeddings, REF.image(data)), p.mm_hash
