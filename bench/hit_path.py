@@ -25,7 +25,10 @@ the same loop so a noisy neighbour slows all of them alike:
   and by a client that placed it before (a Lookup of the mm_hash its encoder
   answered then); the leases given back outside the timing;
 - ``lookup_miss_rpc_ms``: one raw ``Lookup`` of an mm_hash the encoder does not
-  have: what the derived Lookup adds before the Encode of a new image.
+  have; ``place_new_sent_ms`` / ``place_new_derived_ms``: the same two fresh
+  clients each place a ``--place-size`` PNG no one sent before (the tower runs),
+  without and with the derived Lookup: the difference is what that Lookup adds
+  before the Encode of a new image.
 
 Targets: ``lookup_ms <= 1.5 x floor_ms``, ``encode_cached_ms <= 2 x send_ms``.
 
@@ -37,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import statistics
@@ -45,7 +47,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -99,7 +100,9 @@ def median_ms(samples: list[float]) -> float:
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     images = [image_bytes(args.size, args.size, seed=7000 + i) for i in range(args.items)]
     tokens = (args.size // 32) ** 2
-    blocks = args.items * -(-tokens // args.block_size) + -(-(args.place_size // 32) ** 2 // args.block_size) + 2
+    place_blocks = -(-(args.place_size // 32) ** 2 // args.block_size)
+    # The held items, the held placed image, and each round's two new images (nothing evicted).
+    blocks = args.items * -(-tokens // args.block_size) + place_blocks * (1 + 2 * (args.repeats + 2)) + 2
     encoder_args, echo_args = ((), ()) if args.keep_freed_memory else (
         ("--keep-freed-memory", "false"), ("--no-keep-freed-memory",))
     encoder = start_encoder(workdir, *bench_encoder_args(args.transport, blocks, args.block_size), *encoder_args)
@@ -129,19 +132,28 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
 
             samples: dict[str, list[float]] = {k: [] for k in (
                 "lookup", "lookup_rpc", "bare_read", "encode_cached", "send", "place_sent", "place_derived",
-                "place_known", "lookup_miss_rpc")}
+                "place_known", "lookup_miss_rpc", "place_new_sent", "place_new_derived")}
             held = image_bytes(args.place_size, args.place_size, seed=7999)
             client.release_placed(client.place([MediaSpec.image(held)]))  # cached, and this client knows it
-            placers = [(new_placer(target, transport), new_placer(target, transport)) for _ in range(args.repeats + 2)]
+            placers = [(new_placer(target, transport, derive=False), new_placer(target, transport))
+                       for _ in range(args.repeats + 2)]
             miss_request = pb2.LookupRequest(model_id=MODEL_ID, consumer_id="bench-floor", mm_hashes=["0" * 32],
                                              incarnation_id=hs.incarnation_id)
             for i in range(args.repeats + 2):
                 sender, deriver = placers[i]
                 for who, name in ((sender, "place_sent"), (deriver, "place_derived"), (client, "place_known")):
-                    with derived_lookup(name != "place_sent"):
-                        started = time.perf_counter()
-                        placed = who.place([MediaSpec.image(held)])
-                        times_place = time.perf_counter() - started
+                    started = time.perf_counter()
+                    placed = who.place([MediaSpec.image(held)])
+                    times_place = time.perf_counter() - started
+                    who.release_placed(placed)
+                    if i >= 2:
+                        samples[name].append(times_place)
+                for who, name, seed in ((sender, "place_new_sent", 8000 + 2 * i), (deriver, "place_new_derived",
+                                                                                   8001 + 2 * i)):
+                    new = image_bytes(args.place_size, args.place_size, seed=seed)
+                    started = time.perf_counter()
+                    placed = who.place([MediaSpec.image(new)])
+                    times_place = time.perf_counter() - started
                     who.release_placed(placed)
                     if i >= 2:
                         samples[name].append(times_place)
@@ -189,28 +201,19 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         "place_size": args.place_size, "place_bytes": len(held), "derive_min_bytes": known.DERIVE_MIN_BYTES,
         "place_sent_ms": ms["place_sent"], "place_derived_ms": ms["place_derived"],
         "place_known_ms": ms["place_known"], "lookup_miss_rpc_ms": ms["lookup_miss_rpc"],
+        "place_new_sent_ms": ms["place_new_sent"], "place_new_derived_ms": ms["place_new_derived"],
         "place_known_over_sent": round(ms["place_known"] / ms["place_sent"], 2),
         "place_derived_over_sent": round(ms["place_derived"] / ms["place_sent"], 2),
         "repeats": args.repeats,
     }
 
 
-@contextlib.contextmanager
-def derived_lookup(on: bool) -> Iterator[None]:
-    """Placements by mm_hashes derived from the bytes on (the default) or off (every item this
-    client did not place before goes in an Encode), for this block."""
-    saved = known.DERIVE_MIN_BYTES
-    known.DERIVE_MIN_BYTES = saved if on else sys.maxsize
-    try:
-        yield
-    finally:
-        known.DERIVE_MIN_BYTES = saved
-
-
-def new_placer(target: str, transport: str) -> EncoderCacheClient:
-    """A client as ``epd proxy`` makes one (places, pulls nothing), handshaken."""
+def new_placer(target: str, transport: str, *, derive: bool = True) -> EncoderCacheClient:
+    """A client as ``epd proxy`` makes one (places, pulls nothing), handshaken; ``derive``: with the
+    derived Lookup at its default size (else never)."""
     placer = EncoderCacheClient(target, MODEL_ID, transport_kind=transport, landing_blocks=1, local_cache_blocks=0,
-                                rpc_timeout_s=RPC_TIMEOUT_S)
+                                rpc_timeout_s=RPC_TIMEOUT_S,
+                                lookup_min_bytes=known.DERIVE_MIN_BYTES if derive else sys.maxsize)
     placer.media_params()
     return placer
 

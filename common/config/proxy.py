@@ -65,6 +65,11 @@ class ProxyConfig:
     membership_refresh_s: float = setting(
         2.0, env="EPD_MEMBERSHIP_REFRESH_S",
         help="how often encoder targets and readiness, and dns:/// and file: backends, are checked again")
+    lookup_min_bytes: int = setting(
+        64 << 10, env="EPD_PROXY_LOOKUP_MIN_BYTES",
+        help="an image this proxy process has not placed before is first looked up on its encoder by the "
+             "mm_hash derived from its bytes when it has at least this many: found, its bytes are not sent; "
+             "not found, the Lookup's round trip comes before the Encode. Above the largest image: never")
     # --- routing across backends (prefill_client/proxy/routing.py) ---
     routing: RoutingPolicy = setting(
         RoutingPolicy.AFFINITY, env="EPD_PROXY_ROUTING",
@@ -126,6 +131,7 @@ class ProxyConfig:
         for key in self.api_keys:
             require(bool(key) and not any(c.isspace() for c in key), "api_key", "<redacted>",
                     "must be non-empty, without spaces")
+        require(self.lookup_min_bytes >= 0, "lookup_min_bytes", self.lookup_min_bytes, "must be >= 0")
         require(self.max_inflight >= 0, "max_inflight", self.max_inflight, "must be >= 0 (0: no bound)")
         require(1 <= self.workers <= MAX_WORKERS, "workers", self.workers, f"must be in [1, {MAX_WORKERS}]")
 

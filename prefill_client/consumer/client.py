@@ -53,7 +53,7 @@ from common.metrics import PrefillMetrics
 from common.transport import ConsumerTransport
 from common.wire import pb2
 from prefill_client.consumer.connection import EncoderConnection, MediaSpec
-from prefill_client.consumer.known import KnownPlacements, distinct
+from prefill_client.consumer.known import DERIVE_MIN_BYTES, KnownPlacements, distinct
 from prefill_client.consumer.pool import DEFAULT_REFRESH_INTERVAL_S, EncoderDown, EncoderPool
 from prefill_client.consumer.pull import LocalCache, PulledItem, Puller, load_failure
 from prefill_client.consumer.recent import RecentMap
@@ -92,6 +92,7 @@ class EncoderCacheClient:
         membership_refresh_s: float = DEFAULT_REFRESH_INTERVAL_S,
         landing_device: str | torch.device = "cpu",
         probe_connections: bool = False,
+        lookup_min_bytes: int = DERIVE_MIN_BYTES,
     ) -> None:
         """``weights_digest``: the vision weights this client's model expects
         (:func:`common.weights_digest.checkpoint_digest` of its checkpoint); encoders announcing
@@ -102,7 +103,9 @@ class EncoderCacheClient:
         ``landing_device``: where the NIXL-registered landing pool lives, and so the pulled rows
         (a GPU's memory on CUDA: the READ lands on the device). ``probe_connections``: read one
         tag from each encoder as it is connected, so the first request does not pay the
-        transport's connection set-up (:meth:`ConsumerTransport._probe`)."""
+        transport's connection set-up (:meth:`ConsumerTransport._probe`). ``lookup_min_bytes``:
+        :meth:`place` looks an item it did not place before up by its derived mm_hash from this
+        many bytes on (:mod:`.known`)."""
         self.model_id = model_id
         self.weights_digest = weights_digest
         self.consumer_id = consumer_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -122,7 +125,7 @@ class EncoderCacheClient:
         self._where: RecentMap[str, str] = RecentMap()  # mm_hash -> encoder target it was found on
         self._releaser = LeaseReleaser()
         self._known = KnownPlacements(self._pool, self._where, self.consumer_id, self._calling, self.release_placed,
-                                      model_id)
+                                      model_id, lookup_min_bytes)
         self._puller = Puller(self.transport, self.metrics, pull_timeout_s, self._local, self._releaser, self._where)
 
     @property

@@ -5,7 +5,7 @@ asks :class:`KnownPlacements` first. It finds an item's mm_hash two ways:
 
 - **remembered**: for the last items this client placed, the mm_hash their encoder answered for
   those bytes under that ``cache_salt``, with the encoder and its incarnation;
-- **derived**: for an item of :data:`DERIVE_MIN_BYTES` or more that it does not remember, the
+- **derived**: for an item of ``min_bytes`` (:data:`DERIVE_MIN_BYTES`) or more that it does not remember, the
   mm_hash its encoder (the first ready one in its rendezvous order, handshaken before) keys it
   by, computed here as the encoder computes it (model id, the preprocessing fingerprint the
   encoder announced, the bytes' digest, the salt). So an image another proxy, another worker or
@@ -33,9 +33,9 @@ from prefill_client.handoff import Placement
 logger = logging.getLogger(__name__)
 
 Calling = Callable[[EncoderConnection, Sequence[MediaSpec]], contextlib.AbstractContextManager[None]]
-# An item this client does not remember is looked up by its derived mm_hash from this many bytes on:
-# smaller ones cost about as much to send in an Encode as a Lookup does, and a Lookup that
-# misses adds its round trip before the Encode (bench/hit_path.py, BENCHMARKS.md).
+# By default an item this client does not remember is looked up by its derived mm_hash from this
+# many bytes on: a Lookup that finds a 150 KB image saves about what one that misses adds before
+# the Encode (a round trip, ~1 ms here), and bigger ones save more (bench/hit_path.py, BENCHMARKS.md).
 DERIVE_MIN_BYTES = 64 << 10
 
 
@@ -51,14 +51,16 @@ class KnownPlacements:
     ``calling`` maps an RPC's failures as an Encode's (a timeout fails the call; an encoder that
     is down is :class:`~prefill_client.consumer.pool.EncoderDown`); ``where`` learns where items
     were found; ``release`` gives back placements a failed call had already been granted.
-    ``model_id``: the model the client serves (an input of every mm_hash).
+    ``model_id``: the model the client serves (an input of every mm_hash); ``min_bytes``: the
+    smallest item looked up by its derived mm_hash.
     """
 
     def __init__(self, pool: EncoderPool, where: RecentMap[str, str], consumer_id: str, calling: Calling,
-                 release: Callable[[Sequence[Placement]], None], model_id: str) -> None:
+                 release: Callable[[Sequence[Placement]], None], model_id: str,
+                 min_bytes: int = DERIVE_MIN_BYTES) -> None:
         self._pool, self._where, self._consumer_id = pool, where, consumer_id
         self._calling, self._release = calling, release
-        self._model_id = model_id
+        self._model_id, self._min_bytes = model_id, min_bytes
         self._placed: RecentMap[tuple[str, str], tuple[str, str, str]] = RecentMap()
 
     def remember(self, conn: EncoderConnection, items: Sequence[MediaSpec],
@@ -89,7 +91,7 @@ class KnownPlacements:
     def _derived(self, item: MediaSpec) -> tuple[str, str, str] | None:
         """(target, incarnation, mm_hash) of ``item`` on the encoder an Encode would send it to, when
         it is big enough to be worth a Lookup and that encoder was handshaken before."""
-        if sum(len(frame) for frame in item.frames) < DERIVE_MIN_BYTES:
+        if sum(len(frame) for frame in item.frames) < self._min_bytes:
             return None
         order = self._pool.order(item.key, counted=False)
         conn = self._pool.conn(order[0]) if order else None

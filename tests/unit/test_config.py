@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import re
 
@@ -127,6 +129,22 @@ def test_proxy_config_checks_its_urls() -> None:
         build(ProxyConfig, None, {"EPD_PROXY_BACKENDS": "vllm:8000"})
     assert build(ProxyConfig, None, {"EPD_PROXY_ALLOW_REMOTE_MEDIA": "a.example, b.example"}).allow_remote_media == (
         "a.example", "b.example")
+
+
+def test_proxy_lookup_min_bytes_reaches_the_proxys_client() -> None:
+    from prefill_client.consumer.known import DERIVE_MIN_BYTES
+    from prefill_client.proxy.clients import new_client
+
+    assert build(ProxyConfig, None, {}).lookup_min_bytes == DERIVE_MIN_BYTES
+    cfg = build(ProxyConfig, _parse(ProxyConfig, ["--lookup-min-bytes", "1048576"]), {"EPD_PROXY_LOOKUP_MIN_BYTES": "7"})
+    assert cfg.lookup_min_bytes == 1 << 20
+    client = new_client(dataclasses.replace(cfg, transport="mock"), "m")
+    try:
+        assert client._known._min_bytes == 1 << 20
+    finally:
+        client.close()
+    with pytest.raises(ConfigError, match="lookup_min_bytes must be >= 0"):
+        build(ProxyConfig, None, {"EPD_PROXY_LOOKUP_MIN_BYTES": "-1"})
 
 
 def test_proxy_model_id_is_optional() -> None:
