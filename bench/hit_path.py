@@ -141,18 +141,12 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
                                              incarnation_id=hs.incarnation_id)
             for i in range(args.repeats + 2):
                 sender, deriver = placers[i]
-                for who, name in ((sender, "place_sent"), (deriver, "place_derived"), (client, "place_known")):
+                new = [image_bytes(args.place_size, args.place_size, seed=8000 + 2 * i + k) for k in range(2)]
+                steps = ((sender, "place_sent", held), (deriver, "place_derived", held), (client, "place_known", held),
+                         (sender, "place_new_sent", new[0]), (deriver, "place_new_derived", new[1]))
+                for who, name, data in steps:
                     started = time.perf_counter()
-                    placed = who.place([MediaSpec.image(held)])
-                    times_place = time.perf_counter() - started
-                    who.release_placed(placed)
-                    if i >= 2:
-                        samples[name].append(times_place)
-                for who, name, seed in ((sender, "place_new_sent", 8000 + 2 * i), (deriver, "place_new_derived",
-                                                                                   8001 + 2 * i)):
-                    new = image_bytes(args.place_size, args.place_size, seed=seed)
-                    started = time.perf_counter()
-                    placed = who.place([MediaSpec.image(new)])
+                    placed = who.place([MediaSpec.image(data)])
                     times_place = time.perf_counter() - started
                     who.release_placed(placed)
                     if i >= 2:
