@@ -4,7 +4,8 @@ Runs in every process that talks to encoders: ``epd proxy`` (it places items), v
 and workers (the connector pulls), and the reference prefill worker. Read :mod:`.client` first.
 """
 
-from prefill_client.consumer.client import AsyncEncoderCacheClient, EncoderCacheClient, PulledItem
+from prefill_client.consumer.aio import AsyncEncoderCacheClient
+from prefill_client.consumer.client import EncoderCacheClient, PulledItem
 from prefill_client.consumer.connection import EncoderConnection, MediaSpec
 
 __all__ = ["AsyncEncoderCacheClient", "EncoderCacheClient", "EncoderConnection", "MediaSpec", "PulledItem"]

@@ -15,13 +15,12 @@ Requests are batched: one RPC per encoder for all of its items, and one block RE
 tag READ for all of them (split only when the landing pool is too small). A pull that cannot
 prove its data is an :class:`ECLoadFailure`, never a silent skip.
 
-The client is synchronous and thread-safe; :class:`AsyncEncoderCacheClient`
+The client is synchronous and thread-safe; :class:`~prefill_client.consumer.aio.AsyncEncoderCacheClient`
 wraps it for asyncio by running calls in worker threads.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import dataclasses
@@ -492,20 +491,4 @@ class EncoderCacheClient:
         return load_failure(self.metrics, reason, locs, detail, mm_hash=mm_hash)
 
 
-class AsyncEncoderCacheClient:
-    """asyncio face of :class:`EncoderCacheClient`: each call runs in a worker thread."""
-
-    def __init__(self, client: EncoderCacheClient) -> None:
-        self.client = client
-
-    async def encode(self, items: Sequence[MediaSpec]) -> list[PulledItem]:
-        return await asyncio.to_thread(self.client.encode, items)
-
-    async def lookup(self, mm_hashes: Sequence[str]) -> list[PulledItem | None]:
-        return await asyncio.to_thread(self.client.lookup, mm_hashes)
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.client.close)
-
-
-__all__ = ["AsyncEncoderCacheClient", "EncoderCacheClient", "PulledItem"]
+__all__ = ["EncoderCacheClient", "PulledItem"]
