@@ -248,8 +248,6 @@ class EncoderConnection:
         self._media: tuple[media.PreprocessParams | None, str] | None = None
         self.tower = ""
         self.keys_cache_salt = False  # announced by the current incarnation: it may be sent salted items
-        # (incarnation, preprocessing fingerprint, keys_cache_salt) of the last handshake, set at once.
-        self._announced: tuple[str, str, bool] | None = None
 
     @staticmethod
     def _open_channel(target: str, tls: TlsConfig) -> grpc.Channel:
@@ -294,14 +292,15 @@ class EncoderConnection:
         """(incarnation, mm_hash) under which the encoder's incarnation of the last handshake (none
         made here) keys ``item``: the model id, its preprocessing fingerprint, the item's bytes and
         salt, as an Encode of the item would. None before a handshake, and for a salted item on an
-        encoder that does not key by salt."""
-        announced = self._announced
-        if announced is None:
+        encoder that does not key by salt.
+
+        Read while a new handshake may be setting these fields (the incarnation last): a mix of two
+        incarnations' fields gives an mm_hash the Lookup does not find, or an answer the caller
+        drops because the incarnation moved; never another item's entry."""
+        announced = self._media
+        if announced is None or (item.cache_salt and not self.keys_cache_salt):
             return None
-        incarnation, fingerprint, keys_cache_salt = announced
-        if item.cache_salt and not keys_cache_salt:
-            return None
-        return incarnation, media.mm_hash(model_id, fingerprint, item.key(), item.cache_salt)
+        return self.incarnation_id, media.mm_hash(model_id, announced[1], item.key(), item.cache_salt)
 
     @property
     def processor_is_ours(self) -> bool:
@@ -348,7 +347,6 @@ class EncoderConnection:
         params = params_from_proto(resp.preprocess) if announces_params(resp.preprocess) else None
         self._media = (params, resp.preprocess.fingerprint)
         self.incarnation_id = resp.incarnation_id
-        self._announced = (resp.incarnation_id, resp.preprocess.fingerprint, resp.keys_cache_salt)
         self.metrics.handshakes.labels(result="ok").inc()
         logger.info("handshook with encoder %s (incarnation %s, transport %s, vision weights %s)",
                     self.target, resp.incarnation_id[:8], resp.transport, resp.weights_digest or "-")

@@ -5,11 +5,13 @@ asks :class:`KnownPlacements` first. It finds an item's mm_hash two ways:
 
 - **remembered**: for the last items this client placed, the mm_hash their encoder answered for
   those bytes under that ``cache_salt``, with the encoder and its incarnation;
-- **derived**: for an item of ``min_bytes`` (:data:`DERIVE_MIN_BYTES`) or more that it does not remember, the
-  mm_hash its encoder (the first ready one in its rendezvous order, handshaken before) keys it
-  by, computed here as the encoder computes it (model id, the preprocessing fingerprint the
-  encoder announced, the bytes' digest, the salt). So an image another proxy, another worker or
-  an earlier run of this one placed is found without sending its bytes.
+- **derived**: for an item of ``min_bytes`` (:data:`DERIVE_MIN_BYTES`) or more that it does not
+  remember, the mm_hash its encoder (the first ready one in its rendezvous order, handshaken
+  before) keys it by, computed here as the encoder computes it (model id, the preprocessing
+  fingerprint the encoder announced, the bytes' digest, the salt). So an image another proxy,
+  another worker or an earlier run of this one placed is found without sending its bytes. An
+  item the Lookup misses is routed again by the Encode path (the rendezvous order is cheap; the
+  look here is not counted as routing, ``counted=False``).
 
 Either way it is one Lookup per encoder, and a Lookup answers only the entry an Encode of the same
 bytes would answer. What it does not find is left to the Encode path, which decides what a missing
