@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from common.malloc import prefault
 from common.metrics import PrefillMetrics
 from prefill_client.handoff import Cancel, Order, PullDone, PullFailed, PullOrder
 from prefill_client.vllm.channel import WorkerChannel
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     from prefill_client.consumer.client import EncoderCacheClient
 
 logger = logging.getLogger(__name__)
+
+# How long the pull threads wait for each other while they map memory at start (seconds).
+PREFAULT_WAIT_S = 30.0
 
 
 class WorkerHalf(Protocol):
@@ -75,13 +79,15 @@ class WorkerLoader:
     """Worker side of the worker path: pulls what the scheduler orders into this rank's device."""
 
     def __init__(self, client: EncoderCacheClient, width: int | None, dtype: torch.dtype,
-                 channel_address: str, rank: int, device: torch.device) -> None:
+                 channel_address: str, rank: int, device: torch.device, prefault_bytes: int = 0) -> None:
         self.client = client
         self.width = width
         self.dtype = dtype
         self.rank = rank
         self.device = device
         self._threads = concurrent.futures.ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="epd-pull")
+        if prefault_bytes and device.type == "cpu":
+            self._prefault(prefault_bytes)
         self._lock = threading.Lock()
         self._landed: dict[str, _Landed] = {}
         self._running: set[str] = set()
@@ -96,7 +102,27 @@ class WorkerLoader:
         client = EncoderCacheClient.from_config(cfg, PrefillMetrics(), landing_device=device, probe_connections=True)
         logger.info("EpdCacheConnector worker rank %d: pulls into %s, landing pool of %d blocks", rank, device,
                     cfg.landing_blocks)
-        return cls(client, engine.width, engine.dtype, engine.channel, rank, device)
+        return cls(client, engine.width, engine.dtype, engine.channel, rank, device, cfg.prefault_mib << 20)
+
+    def _prefault(self, nbytes: int) -> None:
+        """Start every pull thread, each mapping its share of ``nbytes`` for the rows it will gather
+        (:func:`common.malloc.prefault`: the memory stays in that thread's malloc arena)."""
+        started = time.perf_counter()
+        meet = threading.Barrier(PULL_THREADS)  # one share per thread: each waits for the others
+
+        def share() -> bool:
+            done = prefault(nbytes // PULL_THREADS)
+            try:
+                meet.wait(timeout=PREFAULT_WAIT_S)
+            except threading.BrokenBarrierError:
+                pass
+            return done
+
+        futures = [self._threads.submit(share) for _ in range(PULL_THREADS)]
+        finished, _ = concurrent.futures.wait(futures, timeout=2 * PREFAULT_WAIT_S)
+        done = sum(f.result() for f in finished)
+        logger.info("EpdCacheConnector worker rank %d: %d of %d pull threads mapped %d MiB for rows in %.0f ms",
+                    self.rank, done, PULL_THREADS, nbytes >> 20, (time.perf_counter() - started) * 1e3)
 
     @property
     def landed(self) -> int:

@@ -407,3 +407,30 @@ def test_placements_no_pull_took_go_back_when_their_request_finishes(tmp_path: P
     e.side.finished(r3)
     assert _until(lambda: sorted(e.tracker.released) == ["a", "a", "a", "b"])
     assert [p[0] for r in e.ranks for p in r.pulls] == ["a", "b"]
+
+
+@pytest.mark.parametrize("device, prefault_bytes, maps", [("cpu", 64 << 20, True), ("cpu", 0, False),
+                                                         ("meta", 64 << 20, False)])
+def test_each_pull_thread_maps_its_share_of_memory_for_rows_on_a_host_device(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, prefault_bytes: int, maps: bool) -> None:
+    import prefill_client.vllm.worker as worker
+    from prefill_client.vllm.items import PULL_THREADS
+
+    shares = PULL_THREADS if maps else 0
+    mapped: list[tuple[int, int]] = []
+
+    def prefault(nbytes: int) -> bool:
+        mapped.append((threading.get_ident(), nbytes))
+        return True
+
+    monkeypatch.setattr(worker, "prefault", prefault)
+    side = WorkerPulls(TrackerClient(set()), SchedulerChannel(f"ipc://{tmp_path}/ch", 1), 256)  # type: ignore[arg-type]
+    loader = WorkerLoader(RankClient({}), WIDTH, torch.float32, f"ipc://{tmp_path}/ch", 0,  # type: ignore[arg-type]
+                          torch.device(device), prefault_bytes)
+    try:
+        assert len(mapped) == shares
+        assert len({thread for thread, _ in mapped}) == shares  # one share in each pull thread
+        assert all(n == prefault_bytes // PULL_THREADS for _, n in mapped)
+    finally:
+        loader.close()
+        side.close()
