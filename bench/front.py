@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import gc
 import json
 import os
 import signal
@@ -60,6 +61,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -203,7 +206,8 @@ async def phase_multiturn(stack: Stack, args: argparse.Namespace, out: dict[str,
 
 class Breakdown:
     """Where a request's time to first token goes, from the stack's own /metrics read before and after
-    each request (one in flight; each read waits until vLLM has counted the request): the proxy's
+    each request (one in flight; each read waits until vLLM has counted the request), over one HTTP
+    client kept open, Python's garbage collected before each request is sent: the proxy's
     encode phase and its wait for the backend's first byte, vLLM's queue and prefill time and its own
     TTFT (from the moment its API server starts rendering the chat), the connector's pulls, and the
     client's TTFT. Means per kind of request, in milliseconds."""
@@ -223,10 +227,14 @@ class Breakdown:
                      "connector": stack.connector_metrics[0]}
         self.sums: dict[str, dict[str, float]] = {}
         self.counts: dict[str, int] = {}
+        self.http = httpx.Client(trust_env=False)
+
+    def close(self) -> None:
+        self.http.close()
 
     def _scrape(self, server: str, *extra: str) -> dict[str, float]:
         names = [metric for whose, metric in self.FIGURES.values() if whose == server] + list(extra)
-        return dict(zip(names, metric_totals(self.urls[server], *names), strict=True))
+        return dict(zip(names, metric_totals(self.urls[server], *names, http=self.http), strict=True))
 
     def read(self, counted: float = 0.0) -> tuple[float, dict[str, float]]:
         """vLLM's count of first tokens and every figure's metric, once vLLM counts ``counted`` (bounded)."""
@@ -241,6 +249,7 @@ class Breakdown:
 
     async def measure(self, kind: str, run: Any) -> Any:
         counted, before = await asyncio.to_thread(self.read)
+        gc.collect()  # the client's own garbage (the reads', the last request's), not in the request's time
         got = await run
         if got.samples:
             _, after = await asyncio.to_thread(self.read, counted + 1)
@@ -271,18 +280,21 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
     mismatches = 0
     parts = Breakdown(stack)
     ticks = side.proxy_ticks()
-    for i, url in enumerate(urls):  # one at a time, alternating, so both see the same moments of the box
-        image = await parts.measure("image_cached", measure_set(side, [image_message(url)], 1, args.max_tokens))
-        if not image.samples:
-            continue
-        tokens = image.samples[0].prompt_tokens
-        text = await parts.measure("text_same_length", measure_set(
-            side, [text_message(f"e-{i}", tokens - overhead)], 1, args.max_tokens))
-        if not text.samples:
-            continue
-        mismatches += text.samples[0].prompt_tokens != tokens
-        images += image.samples
-        texts += text.samples
+    try:
+        for i, url in enumerate(urls):  # one at a time, alternating, so both see the same moments of the box
+            image = await parts.measure("image_cached", measure_set(side, [image_message(url)], 1, args.max_tokens))
+            if not image.samples:
+                continue
+            tokens = image.samples[0].prompt_tokens
+            text = await parts.measure("text_same_length", measure_set(
+                side, [text_message(f"e-{i}", tokens - overhead)], 1, args.max_tokens))
+            if not text.samples:
+                continue
+            mismatches += text.samples[0].prompt_tokens != tokens
+            images += image.samples
+            texts += text.samples
+    finally:
+        parts.close()
     cpu_ms = (side.proxy_ticks() - ticks) * 1e3 / os.sysconf("SC_CLK_TCK")
     got = {"image_cached": summary([s.ttft_ms for s in images]), "text_same_length": summary([s.ttft_ms for s in texts]),
            "prompt_tokens": images[0].prompt_tokens if images else None, "prompt_token_mismatches": mismatches,

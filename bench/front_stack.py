@@ -98,9 +98,13 @@ def pin(pid: int, cores: set[int]) -> None:
             os.sched_setaffinity(int(tid), cores)
 
 
-def metric_totals(base_url: str, *names: str) -> list[float]:
-    """Each metric summed over its label sets (engines, finish reasons), from ``base_url``/metrics."""
-    text = httpx.get(base_url + "/metrics", timeout=METRICS_TIMEOUT_S).text
+def metric_totals(base_url: str, *names: str, http: httpx.Client | None = None) -> list[float]:
+    """Each metric summed over its label sets (engines, finish reasons), from ``base_url``/metrics;
+    ``http``: a client kept open by a caller that scrapes often (each ``httpx.get`` builds a client
+    and a TLS context, and leaves garbage that Python's collector frees later, in the middle of
+    whatever runs next)."""
+    get = http.get if http is not None else httpx.get
+    text = get(base_url + "/metrics", timeout=METRICS_TIMEOUT_S).text
     totals = dict.fromkeys(names, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
