@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -61,6 +62,7 @@ async def _run(app: web.Application, host: str, port: int, started: Callable[[in
     try:
         site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
         await site.start()
+        freeze_startup_heap()
         started(int(runner.addresses[0][1]) if runner.addresses else port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -72,6 +74,16 @@ async def _run(app: web.Application, host: str, port: int, started: Callable[[in
             watch.cancel()
     finally:
         await runner.cleanup()  # requests in flight get aiohttp's shutdown timeout to finish
+
+
+def freeze_startup_heap() -> None:
+    """Take what start-up built out of the garbage collector's sight (``gc.freeze``), as vLLM's
+    server does: the libraries the proxy imports (the encoder client, gRPC, torch) are about
+    190,000 objects, and every full collection walked them all, stopping every stream in the
+    process for about 90 ms on 2 cores; now it walks only what came after. They live as long
+    as the process anyway."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _until_orphaned(parent_pid: int, stop: asyncio.Event) -> None:
