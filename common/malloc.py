@@ -23,7 +23,7 @@ module leaves malloc alone. Elsewhere than glibc it does nothing.
 
 Keeping freed memory does not help memory that was never freed: a vLLM worker's encoder cache
 holds every pulled item until it evicts one, so until then each new item's rows are fresh pages
-(a 224 px Qwen3-VL image in float32: 2 MiB, 512 page faults, 1.5-10 ms of a pull on 2 cores
+(a 224 px Qwen3-VL image in float32: 2 MiB, 512 page faults, 1.5-12 ms of a pull on 2 cores
 against 0.4 ms for its READ). :func:`prefault` maps and touches memory in the calling thread's
 malloc arena and frees it again: with the thresholds above it stays mapped, and that thread's
 next allocations take it without a fault.

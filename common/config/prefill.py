@@ -73,7 +73,7 @@ class PrefillConfig:
         128, env="EPD_PREFAULT_MIB",
         help="vLLM connector on a host (CPU) device, with keep_freed_memory: MiB of memory each worker "
              "maps in its pull threads at start, so the rows of the items it pulls land in mapped memory "
-             "(a 224 px Qwen3-VL image's 2 MiB are otherwise 512 page faults: 1.5-10 ms of the pull on 2 "
+             "(a 224 px Qwen3-VL image's 2 MiB are otherwise 512 page faults: 1.5-12 ms of the pull on 2 "
              "cores); the worker's resident memory grows by that much at once. 0: none")
     compile_graph: bool = setting(
         False, env="EPD_COMPILE", flag="--compile", help="torch.compile the prefill graph (true/false)")
