@@ -58,11 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pull_throughput import BareReader, timed  # noqa: E402
 
+from common.config.shared import DERIVE_MIN_BYTES  # noqa: E402
 from common.malloc import keep_freed_memory  # noqa: E402
 from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc  # noqa: E402
 from epd_harness.media import image_bytes  # noqa: E402
 from epd_harness.procs import bench_encoder_args, start_encoder  # noqa: E402
-from prefill_client.consumer import known  # noqa: E402
 from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
 from prefill_client.consumer.connection import MediaSpec, encode_request_bytes  # noqa: E402
 
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         "encode_cached_over_send": round(ms["encode_cached"] / ms["send"], 2),
         "targets": {"lookup_ms <= 1.5 x floor_ms": ms["lookup"] <= 1.5 * floor,
                     "encode_cached_ms <= 2 x send_ms": ms["encode_cached"] <= 2 * ms["send"]},
-        "place_size": args.place_size, "place_bytes": len(held), "derive_min_bytes": known.DERIVE_MIN_BYTES,
+        "place_size": args.place_size, "place_bytes": len(held), "derive_min_bytes": DERIVE_MIN_BYTES,
         "place_sent_ms": ms["place_sent"], "place_derived_ms": ms["place_derived"],
         "place_known_ms": ms["place_known"], "lookup_miss_rpc_ms": ms["lookup_miss_rpc"],
         "place_new_sent_ms": ms["place_new_sent"], "place_new_derived_ms": ms["place_new_derived"],
@@ -207,7 +207,7 @@ def new_placer(target: str, transport: str, *, derive: bool = True) -> EncoderCa
     derived Lookup at its default size (else never)."""
     placer = EncoderCacheClient(target, MODEL_ID, transport_kind=transport, landing_blocks=1, local_cache_blocks=0,
                                 rpc_timeout_s=RPC_TIMEOUT_S,
-                                lookup_min_bytes=known.DERIVE_MIN_BYTES if derive else sys.maxsize)
+                                lookup_min_bytes=DERIVE_MIN_BYTES if derive else sys.maxsize)
     placer.media_params()
     return placer
 

@@ -46,7 +46,6 @@ TRIM_THRESHOLD_BYTES = 256 << 20
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-PAGE_BYTES = 4096
 PREFAULT_PIECE_BYTES = 2 << 20
 _kept = False  # keep_freed_memory set the thresholds in this process
 
@@ -88,9 +87,7 @@ def prefault(nbytes: int, piece: int = PREFAULT_PIECE_BYTES) -> bool:
     pieces: list[bytearray] = []
     try:
         for _ in range(-(-nbytes // piece)):
-            buf = bytearray(piece)
-            buf[::PAGE_BYTES] = bytes(len(range(0, piece, PAGE_BYTES)))  # a write to every page maps it
-            pieces.append(buf)
+            pieces.append(bytearray(piece))  # zero-filled: every page written, so mapped
     except MemoryError:
         logger.warning("malloc: could not prefault %d MiB (got %d MiB)", nbytes >> 20, len(pieces) * piece >> 20)
     done = bool(pieces)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from common.config.builder import require, setting, settle_choices
 from common.config.choices import RoutingPolicy, TransportKind
-from common.config.shared import DEFAULT_GRPC_PORT, TlsConfig
+from common.config.shared import DEFAULT_GRPC_PORT, DERIVE_MIN_BYTES, TlsConfig
 from common.errors import ConfigError
 
 DEFAULT_PROXY_PORT = 8000
@@ -66,7 +66,7 @@ class ProxyConfig:
         2.0, env="EPD_MEMBERSHIP_REFRESH_S",
         help="how often encoder targets and readiness, and dns:/// and file: backends, are checked again")
     lookup_min_bytes: int = setting(
-        64 << 10, env="EPD_PROXY_LOOKUP_MIN_BYTES",
+        DERIVE_MIN_BYTES, env="EPD_PROXY_LOOKUP_MIN_BYTES",
         help="an image this proxy process has not placed before is first looked up on its encoder by the "
              "mm_hash derived from its bytes when it has at least this many: found, its bytes are not sent; "
              "not found, the Lookup's round trip comes before the Encode. Above the largest image: never")

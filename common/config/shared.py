@@ -36,6 +36,12 @@ class TlsConfig:
             raise ConfigError(f"--tls-cert and --tls-key go together, got cert={self.cert!r} key={self.key!r}")
 
 
+# By default an item a consumer does not remember placing is looked up by its derived mm_hash from
+# this many bytes on (prefill_client/consumer/known.py; epd proxy's --lookup-min-bytes): a Lookup
+# that finds a 150 KB image saves about what one that misses adds before the Encode (a round trip,
+# ~1 ms here), and bigger ones save more (bench/hit_path.py, BENCHMARKS.md).
+DERIVE_MIN_BYTES = 64 << 10
+
 KEEP_FREED_MEMORY_HELP = (
     "keep freed memory for reuse (glibc mallopt: buffers up to 64 MiB from the heap, up to 256 MiB of freed "
     "memory kept): requests of tens of MB otherwise page-fault fresh memory each time (common/malloc.py; "

@@ -35,6 +35,7 @@ from typing import TypeVar
 import torch
 
 from common.config import FailurePolicy, PrefillConfig, TlsConfig, TransportKind
+from common.config.shared import DERIVE_MIN_BYTES
 from common.errors import (
     CacheFullError,
     ECLoadFailure,
@@ -52,7 +53,7 @@ from common.metrics import PrefillMetrics
 from common.transport import ConsumerTransport
 from common.wire import pb2
 from prefill_client.consumer.connection import EncoderConnection, MediaSpec
-from prefill_client.consumer.known import DERIVE_MIN_BYTES, KnownPlacements, distinct
+from prefill_client.consumer.known import KnownPlacements, distinct
 from prefill_client.consumer.pool import DEFAULT_REFRESH_INTERVAL_S, EncoderDown, EncoderPool
 from prefill_client.consumer.pull import LocalCache, PulledItem, Puller, load_failure
 from prefill_client.consumer.recent import RecentMap
@@ -124,7 +125,7 @@ class EncoderCacheClient:
         self._where: RecentMap[str, str] = RecentMap()  # mm_hash -> encoder target it was found on
         self._releaser = LeaseReleaser()
         self._known = KnownPlacements(self._pool, self._where, self.consumer_id, self._calling, self.release_placed,
-                                      model_id, lookup_min_bytes)
+                                      lookup_min_bytes)
         self._puller = Puller(self.transport, self.metrics, pull_timeout_s, self._local, self._releaser, self._where)
 
     @property

@@ -288,10 +288,10 @@ class EncoderConnection:
                 f"with EpdCacheConnector)")
         return params, fingerprint
 
-    def mm_hash_of(self, model_id: str, item: MediaSpec) -> tuple[str, str] | None:
+    def mm_hash_of(self, item: MediaSpec) -> tuple[str, str] | None:
         """(incarnation, mm_hash) under which the encoder's incarnation of the last handshake (none
-        made here) keys ``item``: the model id, its preprocessing fingerprint, the item's bytes and
-        salt, as an Encode of the item would. None before a handshake, and for a salted item on an
+        made here) keys ``item``: this connection's model id, the encoder's preprocessing
+        fingerprint, the item's bytes and salt, as an Encode of the item would. None before a handshake, and for a salted item on an
         encoder that does not key by salt.
 
         Read while a new handshake may be setting these fields (the incarnation last): a mix of two
@@ -300,7 +300,7 @@ class EncoderConnection:
         announced = self._media
         if announced is None or (item.cache_salt and not self.keys_cache_salt):
             return None
-        return self.incarnation_id, media.mm_hash(model_id, announced[1], item.key(), item.cache_salt)
+        return self.incarnation_id, media.mm_hash(self.model_id, announced[1], item.key(), item.cache_salt)
 
     @property
     def processor_is_ours(self) -> bool:

@@ -25,6 +25,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
+from common.config.shared import DERIVE_MIN_BYTES
 from common.errors import ECLoadFailure, EpdError
 from common.wire import pb2
 from prefill_client.consumer.connection import EncoderConnection, MediaSpec
@@ -35,10 +36,6 @@ from prefill_client.handoff import Placement
 logger = logging.getLogger(__name__)
 
 Calling = Callable[[EncoderConnection, Sequence[MediaSpec]], contextlib.AbstractContextManager[None]]
-# By default an item this client does not remember is looked up by its derived mm_hash from this
-# many bytes on: a Lookup that finds a 150 KB image saves about what one that misses adds before
-# the Encode (a round trip, ~1 ms here), and bigger ones save more (bench/hit_path.py, BENCHMARKS.md).
-DERIVE_MIN_BYTES = 64 << 10
 
 
 def distinct(placements: Sequence[Placement | None]) -> list[Placement]:
@@ -53,16 +50,14 @@ class KnownPlacements:
     ``calling`` maps an RPC's failures as an Encode's (a timeout fails the call; an encoder that
     is down is :class:`~prefill_client.consumer.pool.EncoderDown`); ``where`` learns where items
     were found; ``release`` gives back placements a failed call had already been granted.
-    ``model_id``: the model the client serves (an input of every mm_hash); ``min_bytes``: the
-    smallest item looked up by its derived mm_hash.
+    ``min_bytes``: the smallest item looked up by its derived mm_hash.
     """
 
     def __init__(self, pool: EncoderPool, where: RecentMap[str, str], consumer_id: str, calling: Calling,
-                 release: Callable[[Sequence[Placement]], None], model_id: str,
-                 min_bytes: int = DERIVE_MIN_BYTES) -> None:
+                 release: Callable[[Sequence[Placement]], None], min_bytes: int = DERIVE_MIN_BYTES) -> None:
         self._pool, self._where, self._consumer_id = pool, where, consumer_id
         self._calling, self._release = calling, release
-        self._model_id, self._min_bytes = model_id, min_bytes
+        self._min_bytes = min_bytes
         self._placed: RecentMap[tuple[str, str], tuple[str, str, str]] = RecentMap()
 
     def remember(self, conn: EncoderConnection, items: Sequence[MediaSpec],
@@ -97,7 +92,7 @@ class KnownPlacements:
             return None
         order = self._pool.order(item.key, counted=False)
         conn = self._pool.conn(order[0]) if order else None
-        derived = conn.mm_hash_of(self._model_id, item) if conn is not None else None
+        derived = conn.mm_hash_of(item) if conn is not None else None
         return None if derived is None else (order[0], *derived)
 
     def _find_on(self, target: str, incarnation: str, wanted: dict[str, list[int]], items: Sequence[MediaSpec],
