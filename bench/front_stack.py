@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -35,7 +36,7 @@ from epd_harness.vllm import (
     stop_vllm,
     wait_vllm,
 )
-from epd_harness.waits import log_tail
+from epd_harness.waits import log_tail, wait_ready
 
 PRESET = "qwen3-vl-2b"
 ENCODER_CORE, PLAIN_CORE, CONSUMER_CORE = 0, 0, 1
@@ -43,6 +44,7 @@ METRICS_TIMEOUT_S = 5.0
 METRICS_WAIT_S = 60.0  # vLLM counts a request in /metrics a moment after answering it
 METRICS_POLL_S = 0.1
 MEMORY_POLL_S = 5.0
+RELAY_LIMIT_S = 60.0
 
 
 def vision_config() -> VisionConfig:
@@ -116,7 +118,8 @@ def metric_totals(base_url: str, *names: str, http: httpx.Client | None = None) 
 @dataclass
 class Stack:
     """The processes, and a :class:`Side` for each way in: ``proxy`` (also ``one_backend``), ``direct``
-    (consumer A without the proxy), ``plain``, and for phase d ``affinity`` and ``round_robin``."""
+    (consumer A without the proxy), ``relay`` (``bench/relay.py`` before A, for phase a), ``plain``,
+    and for phase d ``affinity`` and ``round_robin``."""
 
     args: argparse.Namespace
     logs: Path
@@ -143,10 +146,12 @@ class Stack:
         self._open("proxy", self.proxies["proxy"], True)
         self._open("one_backend", self.proxies["proxy"], True)
         self._open("direct", self.consumers[0], False)
+        if "relay" in self.proxies:
+            self._open("relay", self.proxies["relay"], True)
         if self.plain is not None:
             self._open("plain", self.plain, False)
         try:
-            await self._warm_up(["direct", "plain", "proxy"], 9_000)
+            await self._warm_up(["direct", "relay", "plain", "proxy"], 9_000)
             yield
         finally:
             for side in self.sides.values():
@@ -163,7 +168,7 @@ class Stack:
             image = [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": image_url(seed, self.args.side, self.args.side)}},
                 {"type": "text", "text": "warm-up"}]}]
-            plan = [(text, 2)] + ([] if name == "direct" else [(image, 1 if name == "plain" else 2)])
+            plan = [(text, 2)] + ([] if name in ("direct", "relay") else [(image, 1 if name == "plain" else 2)])
             for messages, count in plan:
                 got = await measure_set(self.sides[name], [messages] * count, 1, 2)
                 if got.failed:
@@ -249,6 +254,17 @@ def proxy_args(args: argparse.Namespace) -> tuple[str, ...]:
     return "--model-id", MODEL, *workers
 
 
+def start_relay(log_path: Path, backend: str) -> Server:
+    """``bench/relay.py`` before ``backend`` on a free port, once it answers health."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("relay.py")), "--port", str(port),
+                                 "--backend", backend], stdout=log, stderr=subprocess.STDOUT)
+    server = Server(proc, port, log_path)
+    return wait_ready("bench/relay.py", proc, log_path, server.healthy, limit_s=RELAY_LIMIT_S, poll_s=0.2,
+                      give_up=server.stop)
+
+
 def start_stack(work: Path, logs: Path, args: argparse.Namespace) -> Stack:
     """Start the encoder, consumer A, the proxy before it and (for phases b and c) plain vLLM, and wait
     until each is up (checkpoints in ``work``, logs in ``logs``); on failure stop what started, then raise."""
@@ -274,10 +290,17 @@ def start_stack(work: Path, logs: Path, args: argparse.Namespace) -> Stack:
             if server is not None:
                 wait_vllm(server)
         proxy = start_proxy(logs / "proxy.log", [encoder.target], [consumer.url], *proxy_args(args))
+        proxies = {"proxy": proxy}
+        try:
+            if "a" in args.phases:  # the bare hop beside the proxy, before the same vLLM
+                proxies["relay"] = start_relay(logs / "relay.log", consumer.url)
+        except BaseException:
+            proxy.stop()
+            raise
     except BaseException:
         stop_started(started)
         raise
     print(f"stack up: encoder {encoder.target}, plain {plain.url if plain else None}, consumer {consumer.url}, "
           f"proxy {proxy.url}", file=sys.stderr)
-    return Stack(args, logs, real, noise, encoder, [consumer], plain, {"proxy": proxy},
+    return Stack(args, logs, real, noise, encoder, [consumer], plain, proxies,
                  connector_metrics=[metrics_url])
