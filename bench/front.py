@@ -36,7 +36,12 @@ two sides alternate in ``--rounds`` (A B, then B A, ...), so a slow moment of th
 - ``e`` one request at a time through the proxy: an image the encoder holds against a text-only
   request of the same prompt length in tokens (the text padded): the TTFT p50 an image adds, and
   where each kind's time goes (``breakdown_mean_ms``, from the proxy's, vLLM's and the
-  connector's own /metrics read around each request: :class:`Breakdown`).
+  connector's own /metrics read around each request: :class:`Breakdown`);
+- ``v`` vLLM's own benchmark client, ``vllm bench serve --backend openai-chat``, instead of the
+  ``openai`` one (``bench/front_vllm_bench.py``): random text prompts at the highest
+  ``--text-concurrency`` through the proxy, the relay and straight to ``A``, and random new images
+  (``random-mm``, one of ``--side`` pixels a request) at ``--concurrency`` through the proxy and
+  to plain vLLM.
 
 Before starting, the script waits (bounded) for free memory (``--min-free-gib``) and, before the
 first phase, for the load average to fall below ``--max-load``; the loads are in the JSON.
@@ -71,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.front_load import MODEL, Side, compare, measure_set, summary  # noqa: E402
 from bench.front_stack import METRICS_POLL_S, METRICS_WAIT_S, Stack, metric_totals, start_stack, wait_for_quiet  # noqa: E402
+from bench.front_vllm_bench import phase_vllm_bench  # noqa: E402
 from epd_harness.media import image_url  # noqa: E402
 from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
 from prefill_client.consumer.connection import MediaSpec  # noqa: E402
@@ -96,6 +102,9 @@ TARGETS = {  # name: (figure, bound, at most?)
     "new_throughput_vs_plain": ("new_throughput_vs_plain", 0.95, False),
     "new_ttft_p50_vs_plain": ("new_ttft_p50_vs_plain", 1.0, True),
     "cached_image_added_ttft_p50_ms": ("cached_image_added_ttft_p50_ms", 10.0, True),
+    "vllm_bench_text_throughput_vs_direct": ("vllm_bench_text_proxy_throughput_vs_direct", 0.97, False),
+    "vllm_bench_new_images_throughput_vs_plain": ("vllm_bench_new_images_throughput_vs_plain", 0.95, False),
+    "vllm_bench_new_images_ttft_p50_vs_plain": ("vllm_bench_new_images_ttft_p50_vs_plain", 1.0, True),
 }
 
 
@@ -347,12 +356,13 @@ async def run(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
             "b": lambda: phase_images(stack, args, out, "cached", 20_000),
             "c": lambda: phase_images(stack, args, out, "new", 40_000),
             "d": lambda: phase_multiturn(stack, args, out),
-            "e": lambda: phase_cached_vs_text(stack, args, out)}
+            "e": lambda: phase_cached_vs_text(stack, args, out),
+            "v": lambda: asyncio.to_thread(phase_vllm_bench, stack, args, out)}
         profile = start_profile(stack, args.profile_proxy) if args.profile_proxy else None
         try:
             out["load_avg_1m_at_start"] = round(wait_for_quiet(args.max_load, args.load_wait_s), 2)
             out["load_avg_1m_at_phase"] = {}
-            for phase in sorted(args.phases, key="abced".index):  # d last: it swaps plain vLLM for a second backend
+            for phase in sorted(args.phases, key="abcevd".index):  # d last: it swaps plain vLLM for a second backend
                 started = time.perf_counter()
                 if phase == "d":
                     await stack.add_second_backend()
@@ -369,7 +379,7 @@ async def run(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--phases", default="a,b,c,d,e", help="comma separated, of a, b, c, d, e")
+    parser.add_argument("--phases", default="a,b,c,d,e", help="comma separated, of a, b, c, d, e, v")
     parser.add_argument("--requests", type=int, default=12, help="image requests per side (b, c; e: pairs)")
     parser.add_argument("--concurrency", type=int, default=4, help="image requests in flight (b, c)")
     parser.add_argument("--text-requests", type=int, default=160,
@@ -396,8 +406,8 @@ def main() -> None:
     parser.add_argument("--workdir", help="keep the checkpoints (reused when there) and the processes' logs here (default: a temporary folder)")
     args = parser.parse_args()
     args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
-    if set(args.phases) - set("abcde"):
-        raise SystemExit(f"unknown phases {sorted(set(args.phases) - set('abcde'))}; known: a, b, c, d, e")
+    if set(args.phases) - set("abcdev"):
+        raise SystemExit(f"unknown phases {sorted(set(args.phases) - set('abcdev'))}; known: a, b, c, d, e, v")
     args.text_concurrency = [int(c) for c in args.text_concurrency.split(",") if c.strip()]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp_name:

@@ -273,7 +273,7 @@ def start_stack(work: Path, logs: Path, args: argparse.Namespace) -> Stack:
     started: list[Server | EncoderProcess] = []
     try:
         plain = None
-        if {"b", "c"} & set(args.phases):
+        if {"b", "c", "v"} & set(args.phases):
             plain = launch_vllm(real, logs / "vllm-plain.log", *engine_args(args), cpu_core=PLAIN_CORE)
             started.append(plain)
         # One torch thread: the tower gets one core, as the plain engine's does.
@@ -292,7 +292,7 @@ def start_stack(work: Path, logs: Path, args: argparse.Namespace) -> Stack:
         proxy = start_proxy(logs / "proxy.log", [encoder.target], [consumer.url], *proxy_args(args))
         proxies = {"proxy": proxy}
         try:
-            if "a" in args.phases:  # the bare hop beside the proxy, before the same vLLM
+            if {"a", "v"} & set(args.phases):  # the bare hop beside the proxy, before the same vLLM
                 proxies["relay"] = start_relay(logs / "relay.log", consumer.url)
         except BaseException:
             proxy.stop()
