@@ -49,8 +49,9 @@ The proxies' CPU time (utime + stime of each proxy process and its workers, from
 read before and after each of their sets: ``proxy_cpu_ms_per_request``. The last line of stdout
 is one JSON object: ``*_ms`` milliseconds, ``*_vs_plain`` / ``*_vs_direct`` / ``*_vs_one_backend``
 ratios (proxy path over the anchor), ``targets`` whether each target was met. Usage:
-``python bench/front.py [--requests 12] [--concurrency 4] [--text-requests 160] [--phases a,b,c,d,e]
-[--profile-proxy PATH]``; about 8 minutes on an idle 2-core box, checkpoints written included.
+``python bench/front.py [--requests 12] [--concurrency 4] [--text-requests 160] [--phases a,b,c,d,e,v]
+[--profile-proxy PATH]``; about 8 minutes on an idle 2-core box, checkpoints written included, and
+about 4 more for phase v (each of its sets starts a ``vllm bench serve`` process).
 """
 
 from __future__ import annotations
@@ -379,13 +380,13 @@ async def run(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--phases", default="a,b,c,d,e", help="comma separated, of a, b, c, d, e, v")
-    parser.add_argument("--requests", type=int, default=12, help="image requests per side (b, c; e: pairs)")
-    parser.add_argument("--concurrency", type=int, default=4, help="image requests in flight (b, c)")
+    parser.add_argument("--phases", default="a,b,c,d,e,v", help="comma separated, of a, b, c, d, e, v")
+    parser.add_argument("--requests", type=int, default=12, help="image requests per side (b, c; e: pairs; v: per set)")
+    parser.add_argument("--concurrency", type=int, default=4, help="image requests in flight (b, c, v)")
     parser.add_argument("--text-requests", type=int, default=160,
                         help="text requests per side and concurrency (a; above 1 in flight at least "
                              f"{SET_REQUESTS_PER_SLOT} per slot and round)")
-    parser.add_argument("--text-concurrency", default="1,16", help="comma separated (a)")
+    parser.add_argument("--text-concurrency", default="1,16", help="comma separated (a; v: the highest)")
     parser.add_argument("--rounds", type=int, default=2, help="sets per side, alternating with the other side's")
     parser.add_argument("--conversations", type=int, default=4, help="chats at once per routing (d)")
     parser.add_argument("--turns", type=int, default=4, help="turns per chat (d)")

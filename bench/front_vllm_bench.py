@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -97,7 +98,8 @@ def alternate(stack: Stack, sides: Sequence[tuple[str, str, int | None]], name: 
                      "ttft_p50_ms_mean_of_sets": round(sum(medians) / len(medians), 2),
                      "failed": sum(r["failed"] or 0 for r in runs), "sets": runs}
         if pid is not None:
-            out[side]["proxy_cpu_ms_per_request_upper"] = round(ticks[side] * 10.0 / max(1, completed), 2)
+            cpu_ms = ticks[side] * 1e3 / os.sysconf("SC_CLK_TCK")
+            out[side]["proxy_cpu_ms_per_request_upper"] = round(cpu_ms / max(1, completed), 2)
     return out
 
 
