@@ -1,13 +1,13 @@
 """A bare HTTP relay in front of one vLLM: the floor of any hop a front adds (bench process).
 
-``bench/front.py`` puts it beside ``epd proxy`` in phase a, before the same vLLM: the caller's
-body bytes go on unread, the answer comes back chunk by chunk as it arrives, over one kept-alive
-``aiohttp`` client, the same library and relaying loop the proxy uses. No key check, no JSON
-parse, no routing, no metrics, no deadlines beyond the client's, the same event loop (uvloop) and
-no access log, as the proxy runs: what is left of a front with
-nothing of its own to do. Whatever the proxy costs beyond this relay is its own work; what the
-relay costs beyond going straight to vLLM is the hop (a process, a socket each way, and on a
-2-core box its turns on a core). Usage: ``python bench/relay.py --port P --backend URL``.
+``bench/front.py`` (phases a and v) and ``bench/proxy_overhead.py`` put it beside ``epd proxy``,
+before the same backend. The caller's body bytes go on unread and the answer comes back chunk by
+chunk as it arrives, over one kept-alive ``aiohttp`` client: the library, relaying loop and event
+loop (uvloop) the proxy uses, without an access log, as the proxy runs. No key check, no JSON
+parse, no routing, no metrics: a front with nothing of its own to do. Whatever the proxy costs
+beyond this relay is its own work; what the relay costs beyond going straight to vLLM is the hop
+(a process, a socket each way, and on a 2-core box its turns on a core).
+Usage: ``python bench/relay.py --port P --backend URL``.
 """
 
 from __future__ import annotations
