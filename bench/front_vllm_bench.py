@@ -3,11 +3,12 @@
 ``vllm bench serve --backend openai-chat`` (run as ``epd vllm bench serve``, which works on the
 CPU build too) sends its own requests at a fixed concurrency and writes one JSON result per set:
 request throughput and time to first token at vLLM's own percentiles. Text sets (``random``
-prompts of ``--text-tokens`` tokens, 8 out, ``--ignore-eos``) go through the proxy, the bare relay
-and straight to the consumer; image sets (``random-mm``: one new random image of
-``--side`` pixels a request, each set its own seed, so every image is new to the side it
-reaches) through the proxy and to plain vLLM. The sides' sets alternate as in the other phases;
-every set starts with vLLM's own warm-up requests (``--num-warmups``), not measured.
+prompts of 330 tokens, 8 out, ``--ignore-eos``) go through the proxy, the bare relay and straight
+to the consumer; image sets (``random-mm``: one new random image of ``--side`` pixels a request)
+through the proxy and to plain vLLM. Each set has a seed of its own, so no prompt or image is in
+the cache of the vLLM it reaches. The sides' sets alternate as in the other phases. Not measured:
+vLLM's own warm-up requests at the start of every text set (``--num-warmups``: one prompt, as
+many times as there are slots), and a whole text set through each side before the first.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def bench_serve(stack: Stack, url: str, tag: str, seed: int, *options: str) -> d
     return {key: result.get(key) for key in RESULT_KEYS}
 
 
-def text_options(args: argparse.Namespace, prompts: int, concurrency: int) -> tuple[str, ...]:
+def text_options(prompts: int, concurrency: int) -> tuple[str, ...]:
     return ("--dataset-name", "random", "--random-input-len", str(TEXT_TOKENS), "--random-output-len",
             str(TEXT_OUTPUT_TOKENS), "--ignore-eos", "--num-prompts", str(prompts), "--max-concurrency",
             str(concurrency), "--num-warmups", str(2 * concurrency))
@@ -110,7 +111,7 @@ def phase_vllm_bench(stack: Stack, args: argparse.Namespace, out: dict[str, Any]
                   ("direct", stack.consumers[0].url, None)]
     conc = max(args.text_concurrency)
     prompts = max(args.text_requests, 2 * SET_REQUESTS_PER_SLOT * conc)
-    text = alternate(stack, text_sides, "text", args.rounds, text_options(args, prompts, conc), 60_000, warm_up=True)
+    text = alternate(stack, text_sides, "text", args.rounds, text_options(prompts, conc), 60_000, warm_up=True)
     out["vllm_bench_text"] = {"concurrency": conc, "prompts_per_set": prompts, **text}
     for side, anchor in (("proxy", "direct"), ("relay", "direct"), ("proxy", "relay")):
         out[f"vllm_bench_text_{side}_throughput_vs_{anchor}"] = _ratio(
