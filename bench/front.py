@@ -75,7 +75,16 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front_load import MODEL, Side, compare, measure_set, summary  # noqa: E402
+from bench.front_load import (  # noqa: E402
+    MODEL,
+    SET_REQUESTS_PER_SLOT,
+    Side,
+    compare,
+    cpu_ms,
+    measure_set,
+    ratio,
+    summary,
+)
 from bench.front_stack import METRICS_POLL_S, METRICS_WAIT_S, Stack, metric_totals, start_stack, wait_for_quiet  # noqa: E402
 from bench.front_vllm_bench import phase_vllm_bench  # noqa: E402
 from epd_harness.media import image_url  # noqa: E402
@@ -90,9 +99,6 @@ QUESTIONS = ("what colours dominate?", "is there any text in it?", "describe the
 # of the CPU build's 128-token KV blocks, so the hit rate is not decided by where a prompt ends in a block.
 QUESTION_CHARS = 200
 PROFILE_STOP_S = 60.0
-# Phase a's sets with several requests in flight: with 5 per slot (80 at 16) one slow moment of
-# the box moved a set by 15 %, its ramp-up and drain a large part of it.
-SET_REQUESTS_PER_SLOT = 10
 WARM_UP_SLOTS = 2  # phase a's unmeasured set through each side before the measured ones, requests per slot
 TARGETS = {  # name: (figure, bound, at most?)
     "text_c1_added_ttft_p50_ms": ("text_c1_added_ttft_p50_ms", 2.0, True),
@@ -128,10 +134,6 @@ def place(stack: Stack, urls: list[str]) -> None:
         for start in range(0, len(urls), 4):
             specs = [MediaSpec.image(base64.b64decode(u.split(",", 1)[1])) for u in urls[start:start + 4]]
             client.release_placed(client.place(specs))
-
-
-def ratio(a: float, b: float) -> float:
-    return round(a / b, 3) if b else float("nan")
 
 
 async def phase_text(stack: Stack, args: argparse.Namespace, out: dict[str, Any]) -> None:
@@ -209,7 +211,7 @@ async def phase_multiturn(stack: Stack, args: argparse.Namespace, out: dict[str,
         started = time.perf_counter()
         await asyncio.gather(*(conversation(side, 60_000 + 1000 * k + c) for c in range(args.conversations)))
         wall = time.perf_counter() - started
-        cpu_ms = (side.proxy_ticks() - ticks) * 1e3 / os.sysconf("SC_CLK_TCK")
+        cpu = cpu_ms(side.proxy_ticks() - ticks)
         requests = args.conversations * args.turns
         after = stack.prefix_cache(settled_requests=sum(before["requests"]) + requests)
         hits = sum(after["hits"]) - sum(before["hits"])
@@ -218,7 +220,7 @@ async def phase_multiturn(stack: Stack, args: argparse.Namespace, out: dict[str,
             "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
             "prefix_cache_hit_tokens": hits, "prefix_cache_query_tokens": queries,
             "requests_per_backend": [a - b for a, b in zip(after["requests"], before["requests"], strict=True)],
-            "requests": requests, "wall_s": round(wall, 2), "proxy_cpu_ms_per_request": round(cpu_ms / requests, 2)}
+            "requests": requests, "wall_s": round(wall, 2), "proxy_cpu_ms_per_request": round(cpu / requests, 2)}
         out["proxy_cpu_ms_per_request"][f"multiturn_{routing}"] = result[routing]["proxy_cpu_ms_per_request"]
         print(f"multiturn {routing}: {json.dumps(result[routing])}", file=sys.stderr)
     out["multiturn"] = result
@@ -319,10 +321,10 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
             texts += text.samples
     finally:
         parts.close()
-    cpu_ms = (side.proxy_ticks() - ticks) * 1e3 / os.sysconf("SC_CLK_TCK")
+    cpu = cpu_ms(side.proxy_ticks() - ticks)
     got = {"image_cached": summary([s.ttft_ms for s in images]), "text_same_length": summary([s.ttft_ms for s in texts]),
            "prompt_tokens": images[0].prompt_tokens if images else None, "prompt_token_mismatches": mismatches,
-           "proxy_cpu_ms_per_request": round(cpu_ms / max(1, len(images) + len(texts)), 2),
+           "proxy_cpu_ms_per_request": round(cpu / max(1, len(images) + len(texts)), 2),
            "breakdown_mean_ms": parts.means()}
     out["cached_image_vs_text"] = got
     out["cached_image_added_ttft_p50_ms"] = round(got["image_cached"]["p50"] - got["text_same_length"]["p50"], 2)

@@ -17,6 +17,19 @@ from openai import AsyncOpenAI
 
 MODEL = "qwen3-vl-2b-tower"
 REQUEST_TIMEOUT_S = 600.0
+# Sets with several requests in flight have at least this many requests per slot: with 5 per slot (80 at
+# 16) one slow moment of the box moved a set by 15 %, its ramp-up and drain a large part of it.
+SET_REQUESTS_PER_SLOT = 10
+
+
+def ratio(a: float, b: float) -> float:
+    """``a`` over its anchor ``b``, rounded (nan without an anchor)."""
+    return round(a / b, 3) if b else float("nan")
+
+
+def cpu_ms(ticks: int) -> float:
+    """Milliseconds of CPU time in ``ticks`` clock ticks (``/proc``'s utime and stime)."""
+    return ticks * 1e3 / os.sysconf("SC_CLK_TCK")
 
 
 def tree_ticks(pid: int) -> int:
@@ -136,8 +149,7 @@ def side_summary(side: Side, sets: Sequence[SetResult]) -> dict[str, Any]:
                            "requests_per_s": round(done / wall, 3) if wall else 0.0, "requests": done,
                            "failed": sum(r.failed for r in sets), "wall_s": round(wall, 2)}
     if side.proxy_pid is not None:
-        cpu_ms = sum(r.proxy_ticks for r in sets) * 1e3 / os.sysconf("SC_CLK_TCK")
-        out["proxy_cpu_ms_per_request"] = round(cpu_ms / max(1, done), 2)
+        out["proxy_cpu_ms_per_request"] = round(cpu_ms(sum(r.proxy_ticks for r in sets)) / max(1, done), 2)
     return out
 
 

@@ -44,7 +44,7 @@ METRICS_TIMEOUT_S = 5.0
 METRICS_WAIT_S = 60.0  # vLLM counts a request in /metrics a moment after answering it
 METRICS_POLL_S = 0.1
 MEMORY_POLL_S = 5.0
-RELAY_LIMIT_S = 60.0
+SCRIPT_LIMIT_S = 60.0
 
 
 def vision_config() -> VisionConfig:
@@ -254,15 +254,21 @@ def proxy_args(args: argparse.Namespace) -> tuple[str, ...]:
     return "--model-id", MODEL, *workers
 
 
-def start_relay(log_path: Path, backend: str) -> Server:
-    """``bench/relay.py`` before ``backend`` on a free port, once it answers health."""
+def start_script(log_path: Path, script: str, *args: str) -> Server:
+    """``bench/SCRIPT --port PORT ARGS`` (an HTTP server of the bench's own) on a free port, once it
+    answers ``/health``."""
     port = free_port()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("relay.py")), "--port", str(port),
-                                 "--backend", backend], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name(script)), "--port", str(port), *args],
+                                stdout=log, stderr=subprocess.STDOUT)
     server = Server(proc, port, log_path)
-    return wait_ready("bench/relay.py", proc, log_path, server.healthy, limit_s=RELAY_LIMIT_S, poll_s=0.2,
+    return wait_ready(f"bench/{script}", proc, log_path, server.healthy, limit_s=SCRIPT_LIMIT_S, poll_s=0.2,
                       give_up=server.stop)
+
+
+def start_relay(log_path: Path, backend: str) -> Server:
+    """``bench/relay.py`` before ``backend``, once it answers health."""
+    return start_script(log_path, "relay.py", "--backend", backend)
 
 
 def start_stack(work: Path, logs: Path, args: argparse.Namespace) -> Stack:

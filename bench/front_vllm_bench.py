@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from bench.front_load import MODEL, tree_ticks
+from bench.front_load import MODEL, SET_REQUESTS_PER_SLOT, cpu_ms, ratio, tree_ticks
 from bench.front_stack import Stack
 
 BENCH_TIMEOUT_S = 900.0
 TEXT_TOKENS = 330  # about phase a's prompts
 TEXT_OUTPUT_TOKENS = 8
-SET_REQUESTS_PER_SLOT = 10  # a text set has at least twice this many prompts per slot in flight: sets of about 4 s
 IMAGE_PROMPT_TOKENS = 16
 IMAGE_OUTPUT_TOKENS = 4
 RESULT_KEYS = ("completed", "failed", "duration", "request_throughput", "median_ttft_ms", "p99_ttft_ms",
@@ -99,8 +97,7 @@ def alternate(stack: Stack, sides: Sequence[tuple[str, str, int | None]], name: 
                      "ttft_p50_ms_mean_of_sets": round(sum(medians) / len(medians), 2),
                      "failed": sum(r["failed"] or 0 for r in runs), "sets": runs}
         if pid is not None:
-            cpu_ms = ticks[side] * 1e3 / os.sysconf("SC_CLK_TCK")
-            out[side]["proxy_cpu_ms_per_request_upper"] = round(cpu_ms / max(1, completed), 2)
+            out[side]["proxy_cpu_ms_per_request_upper"] = round(cpu_ms(ticks[side]) / max(1, completed), 2)
     return out
 
 
@@ -110,11 +107,11 @@ def phase_vllm_bench(stack: Stack, args: argparse.Namespace, out: dict[str, Any]
     text_sides = [("proxy", proxy.url, proxy.proc.pid), ("relay", stack.proxies["relay"].url, None),
                   ("direct", stack.consumers[0].url, None)]
     conc = max(args.text_concurrency)
-    prompts = max(args.text_requests, 2 * SET_REQUESTS_PER_SLOT * conc)
+    prompts = max(args.text_requests, 2 * SET_REQUESTS_PER_SLOT * conc)  # sets of about 4 s
     text = alternate(stack, text_sides, "text", args.rounds, text_options(prompts, conc), 60_000, warm_up=True)
     out["vllm_bench_text"] = {"concurrency": conc, "prompts_per_set": prompts, **text}
     for side, anchor in (("proxy", "direct"), ("relay", "direct"), ("proxy", "relay")):
-        out[f"vllm_bench_text_{side}_throughput_vs_{anchor}"] = _ratio(
+        out[f"vllm_bench_text_{side}_throughput_vs_{anchor}"] = ratio(
             text[side]["requests_per_s"], text[anchor]["requests_per_s"])
         out[f"vllm_bench_text_{side}_added_ttft_p50_ms_over_{anchor}"] = round(
             text[side]["ttft_p50_ms_mean_of_sets"] - text[anchor]["ttft_p50_ms_mean_of_sets"], 2)
@@ -123,11 +120,7 @@ def phase_vllm_bench(stack: Stack, args: argparse.Namespace, out: dict[str, Any]
     image_sides = [("proxy", proxy.url, proxy.proc.pid), ("plain", stack.plain.url, None)]
     images = alternate(stack, image_sides, "images", args.rounds, image_options(args), 70_000)
     out["vllm_bench_new_images"] = {"concurrency": args.concurrency, "prompts_per_set": args.requests, **images}
-    out["vllm_bench_new_images_throughput_vs_plain"] = _ratio(
+    out["vllm_bench_new_images_throughput_vs_plain"] = ratio(
         images["proxy"]["requests_per_s"], images["plain"]["requests_per_s"])
-    out["vllm_bench_new_images_ttft_p50_vs_plain"] = _ratio(
+    out["vllm_bench_new_images_ttft_p50_vs_plain"] = ratio(
         images["proxy"]["ttft_p50_ms_mean_of_sets"], images["plain"]["ttft_p50_ms_mean_of_sets"])
-
-
-def _ratio(a: float, b: float) -> float:
-    return round(a / b, 3) if b else float("nan")

@@ -1,11 +1,12 @@
 """What ``epd proxy`` costs per text request beside a bare relay, with no vLLM to blur it (bench process).
 
-Three processes on loopback: a streaming backend (an aiohttp server that answers every chat
-request as vLLM streams one: a first chunk, then ``--chunks`` chunks ``--gap-ms`` apart, then
-``data: [DONE]``), ``bench/relay.py`` before it, and ``epd proxy`` before it (a ``--model-id``,
-an encoder address nobody listens on: a text request never reaches an encoder). A client sends
-the same streamed text request (``--prompt-chars`` of prompt) through each, the two fronts' sets
-alternating, at each ``--concurrency``, and reads each answer to its end.
+Three processes on loopback: a streaming backend (this script run with ``--port``: an aiohttp
+server that answers every chat request as vLLM streams one, ``--chunks`` chunks ``--gap-ms``
+apart, then ``data: [DONE]``), ``bench/relay.py`` before it, and ``epd proxy`` before it (a
+``--model-id``, an encoder address nobody listens on: a text request never reaches an encoder).
+A client sends the same streamed text request (``--prompt-chars`` of prompt) through the proxy,
+the relay and straight to the backend, the three sides' sets alternating, at each
+``--concurrency``, and reads each answer to its end.
 
 Per front and concurrency: the CPU time it spent (utime + stime from ``/proc`` over the set,
 every thread) per request, the time to the first chunk (p50) and requests per second; the
@@ -22,7 +23,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,15 +34,13 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front_load import tree_ticks  # noqa: E402
-from bench.front_stack import start_relay  # noqa: E402
+from bench.front_load import cpu_ms, tree_ticks  # noqa: E402
+from bench.front_stack import start_relay, start_script  # noqa: E402
+from bench.relay import CHAT_PATH  # noqa: E402
 from epd_harness.ports import free_port  # noqa: E402
 from epd_harness.vllm import Server, start_proxy  # noqa: E402
-from epd_harness.waits import wait_ready  # noqa: E402
 
 MODEL = "bench-model"
-CHAT_PATH = "/v1/chat/completions"
-BACKEND_LIMIT_S = 60.0
 REQUEST_TIMEOUT_S = 30.0
 WARM_UP_REQUESTS = 50
 
@@ -69,29 +67,10 @@ def backend_app(chunks: int, gap_s: float) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
     app = web.Application()
     app.router.add_post(CHAT_PATH, chat)
     app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
     return app
-
-
-def serve_backend(port: int, chunks: int, gap_s: float) -> None:
-    web.run_app(backend_app(chunks, gap_s), host="127.0.0.1", port=port, print=None, access_log=None)
-
-
-def start_backend(log_path: Path, chunks: int, gap_s: float) -> Server:
-    port = free_port()
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
-            f"from bench.proxy_overhead import serve_backend; serve_backend({port}, {chunks}, {gap_s})")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
-    server = Server(proc, port, log_path)
-    return wait_ready("the bench backend", proc, log_path, server.healthy, limit_s=BACKEND_LIMIT_S, poll_s=0.2,
-                      give_up=server.stop)
 
 
 async def run_set(session: aiohttp.ClientSession, url: str, body: bytes, count: int,
@@ -123,7 +102,6 @@ async def measure(sides: dict[str, tuple[str, int]], args: argparse.Namespace) -
     body = json.dumps({"model": MODEL, "stream": True, "max_tokens": args.chunks,
                        "stream_options": {"include_usage": True},
                        "messages": [{"role": "user", "content": prompt}]}).encode()
-    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
     out: dict[str, Any] = {}
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
@@ -146,7 +124,7 @@ async def measure(sides: dict[str, tuple[str, int]], args: argparse.Namespace) -
                 done = per_set * args.rounds
                 row[name] = {"ttft_p50_ms": round(statistics.median(g["ttft"]), 3),
                              "requests_per_s": round(done / sum(g["wall"]), 1),
-                             "cpu_ms_per_request": round(sum(g["ticks"]) * tick_ms / done, 3)}
+                             "cpu_ms_per_request": round(cpu_ms(sum(g["ticks"])) / done, 3)}
             proxy, relay, backend = row["proxy"], row["relay"], row["backend"]
             row["proxy_cpu_vs_relay"] = round(proxy["cpu_ms_per_request"] / relay["cpu_ms_per_request"], 3)
             row["proxy_added_ttft_p50_ms_over_relay"] = round(proxy["ttft_p50_ms"] - relay["ttft_p50_ms"], 3)
@@ -165,14 +143,20 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=10, help="chunks of each streamed answer (tokens)")
     parser.add_argument("--gap-ms", type=float, default=2.0, help="between two chunks of an answer")
     parser.add_argument("--prompt-chars", type=int, default=1500)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)  # given: be the streaming backend on it
     args = parser.parse_args()
+    if args.port is not None:
+        web.run_app(backend_app(args.chunks, args.gap_ms / 1e3), host="127.0.0.1", port=args.port, print=None,
+                    access_log=None)
+        return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="epd-proxy-overhead-") as tmp:
         logs = Path(tmp)
         servers: list[Server] = []
         try:
-            backend = start_backend(logs / "backend.log", args.chunks, args.gap_ms / 1e3)
+            backend = start_script(logs / "backend.log", "proxy_overhead.py", "--chunks", str(args.chunks),
+                                   "--gap-ms", str(args.gap_ms))
             servers.append(backend)
             relay = start_relay(logs / "relay.log", backend.url)
             servers.append(relay)

@@ -291,8 +291,8 @@ class EncoderConnection:
     def mm_hash_of(self, item: MediaSpec) -> tuple[str, str] | None:
         """(incarnation, mm_hash) under which the encoder's incarnation of the last handshake (none
         made here) keys ``item``: this connection's model id, the encoder's preprocessing
-        fingerprint, the item's bytes and salt, as an Encode of the item would. None before a handshake, and for a salted item on an
-        encoder that does not key by salt.
+        fingerprint, the item's bytes and salt, as an Encode of the item would. None before a
+        handshake, and for a salted item on an encoder that does not key by salt.
 
         Read while a new handshake may be setting these fields (the incarnation last): a mix of two
         incarnations' fields gives an mm_hash the Lookup does not find, or an answer the caller
