@@ -8,11 +8,11 @@ placements go in the request's ``ec_transfer_params`` (:mod:`prefill_client.hand
 
 from __future__ import annotations
 
-import base64
 import io
 from collections.abc import Sequence
 from typing import Any
 
+import pybase64
 from PIL import Image
 
 from common.placeholder import as_json
@@ -74,7 +74,7 @@ def _data_url(data: bytes) -> str:
             fmt = (image.format or "png").lower()
     except (OSError, ValueError):
         fmt = "png"  # the encoder decoded it; the backend's decoder reads the bytes, not the name
-    return f"data:image/{fmt};base64,{base64.b64encode(data).decode()}"
+    return f"data:image/{fmt};base64,{pybase64.b64encode(data).decode()}"
 
 
 def video_timestamps(num_frames: int, fps: float, grid_t: int) -> list[float]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import contextlib
 import hashlib
 import json
@@ -19,6 +20,8 @@ import grpc
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.config import ProxyConfig
 from common.errors import (
@@ -39,6 +42,7 @@ from prefill_client.handoff import Placement
 from prefill_client.consumer.connection import MediaSpec
 from prefill_client.proxy.app import Proxy
 from prefill_client.proxy.clients import MAX_MODELS
+from prefill_client.proxy.media import b64decode
 from prefill_client.handoff import from_params
 
 PNG = b"\x89PNG fake bytes"
@@ -213,6 +217,21 @@ def test_bad_media_urls_are_400_naming_the_part(url: str, words: str) -> None:
     assert status == 400
     assert answer["error"]["message"].startswith("messages[1].content[1]: ") and words in answer["error"]["message"]
     assert not client.placed and not seen
+
+
+@given(st.one_of(st.binary(max_size=64).map(lambda b: base64.b64encode(b).decode()),
+                 st.text(alphabet="ABCab+/=-_ \n%é", max_size=16)))
+@settings(max_examples=400, deadline=None)
+def test_media_base64_accepts_and_refuses_what_the_standard_decoder_does(text: str) -> None:
+    try:
+        expected: bytes | str = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        expected = str(exc)
+    try:
+        got: bytes | str = b64decode(text)
+    except (binascii.Error, ValueError) as exc:
+        got = str(exc)  # the standard decoder's own words (what is wrong), not the fast one's
+    assert got == expected
 
 
 def test_local_files_only_under_the_allowed_directory(tmp_path: Path) -> None:
