@@ -11,7 +11,7 @@ When batching pays. A run of ``n`` merged tokens takes about ``fixed + per_token
 seconds (:class:`RunCosts` fits the line to the last runs). An item of ``m`` tokens added to
 a run delays the run's other items by ``per_token * m`` and saves the ``fixed`` cost of a run
 of its own; for equal items, one run of ``k`` finishes them all later on average than ``k``
-runs in turn unless ``per_token * m <= fixed``. A GPU's runs cost mostly their launch (batch);
+runs in turn unless ``per_token * m <= fixed``. A GPU's runs should cost mostly their launch (they batch);
 a CPU running a tower of real size spends in proportion to the tokens (one at a time: on the
 Qwen3-VL-2B-width tower, three 224 px images in one run took 1.4-1.6 s each against 1.4-1.9 s
 alone, and held three of the first four first tokens for the whole run). Two exceptions keep
