@@ -98,12 +98,20 @@ class RunCosts:
 
     def __init__(self, history: int = RUN_HISTORY) -> None:
         self._runs: collections.deque[tuple[int, float]] = collections.deque(maxlen=history)
+        self._fit: tuple[float, float] | None = None  # of the runs now; fitted when first asked after a run
+        self._fitted = True
 
     def add(self, tokens: int, seconds: float) -> None:
         self._runs.append((tokens, seconds))
+        self._fitted = False
 
     def fit(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token), or None while the runs do not tell them apart."""
+        if not self._fitted:
+            self._fit, self._fitted = self._least_squares(), True
+        return self._fit
+
+    def _least_squares(self) -> tuple[float, float] | None:
         runs = self._runs
         if len({tokens for tokens, _ in runs}) < 2:
             return None
@@ -125,19 +133,20 @@ class RunCosts:
         return per_token * tokens <= max(fixed, BATCH_DELAY_FLOOR_S)
 
 
-def next_batch(pending: collections.deque[EncodeJob], batch_tokens: int, costs: RunCosts) -> list[EncodeJob]:
-    """Take the next run's jobs off ``pending`` (not empty): the first always; then, in order,
-    each that fits ``batch_tokens``, while more tokens wait than one run holds or it is worth
-    joining (:meth:`RunCosts.worth_joining`)."""
+def next_batch(pending: collections.deque[EncodeJob], waiting_tokens: int, batch_tokens: int,
+               costs: RunCosts) -> tuple[list[EncodeJob], int]:
+    """Take the next run's jobs off ``pending`` (not empty; ``waiting_tokens`` in all), and their
+    tokens: the first always; then, in order, each that fits ``batch_tokens``, while more tokens
+    wait than one run holds or it is worth joining (:meth:`RunCosts.worth_joining`)."""
     batch = [pending.popleft()]
     tokens = batch[0].item.num_tokens
-    overloaded = tokens + sum(job.item.num_tokens for job in pending) > batch_tokens
+    overloaded = waiting_tokens > batch_tokens
     while pending and tokens + pending[0].item.num_tokens <= batch_tokens:
         if not overloaded and not costs.worth_joining(pending[0].item.num_tokens):
             break
         tokens += pending[0].item.num_tokens
         batch.append(pending.popleft())
-    return batch
+    return batch, tokens
 
 
 class EncodeBatcher:
@@ -204,10 +213,10 @@ class EncodeBatcher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = next_batch(pending, self.batch_tokens, self.costs)
-            tokens = sum(job.item.num_tokens for job in batch)
+            # Between runs the queued tokens are the waiting ones: the last run's left in its finally.
+            batch, tokens = next_batch(pending, self._queued_tokens, self.batch_tokens, self.costs)
             try:
-                await self._run(loop, batch)
+                await self._run(loop, batch, tokens)
             except Exception as exc:  # a bug past the run: fail loudly, but the encoder serves on
                 logger.exception("encoder batch of %d items failed after its run", len(batch))
                 self._fail(batch, f"encoder batch failed: {exc}")
@@ -215,7 +224,7 @@ class EncodeBatcher:
                 self._queued_tokens -= tokens
                 self.metrics.queue_tokens.set(self._queued_tokens)
 
-    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[EncodeJob]) -> None:
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[EncodeJob], tokens: int) -> None:
         cache = self.cache
         started = time.perf_counter()
         try:
@@ -234,7 +243,7 @@ class EncodeBatcher:
             return
         elapsed = time.perf_counter() - started
         self.metrics.encode_latency.observe(elapsed)
-        self.costs.add(sum(job.item.num_tokens for job in batch), elapsed)
+        self.costs.add(tokens, elapsed)
         self.stats.encoder_runs += 1
         self.stats.items_encoded += len(batch)
         self.stats.batch_sizes[len(batch)] += 1
