@@ -82,6 +82,11 @@ class PrefillConfig:
         help="vLLM connector only: worker (each worker pulls into its own device's landing pool and "
              "verifies; the scheduler tracks) or scheduler (the scheduler pulls into host memory and "
              "ships the rows to the workers in the step's metadata)")
+    idle_pull_wait_ms: float = setting(
+        10.0, env="EPD_IDLE_PULL_WAIT_MS",
+        help="vLLM connector only: while no other request runs, how long vLLM's scheduler waits for a "
+             "request's pulls before it steps without it (it then runs the request in the same step instead "
+             "of the next; requests arriving meanwhile wait at most this long). 0: never wait")
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
@@ -89,6 +94,8 @@ class PrefillConfig:
         require(bool(self.encoders), "encoders", self.encoders, "needs at least one target")
         require(bool(self.model_id), "model_id", self.model_id, "must be non-empty")
         require(self.prefault_mib >= 0, "prefault_mib", self.prefault_mib, "must be >= 0")
+        require(0 <= self.idle_pull_wait_ms <= 1000, "idle_pull_wait_ms", self.idle_pull_wait_ms,
+                "must be between 0 and 1000")
         for name in ("rpc_timeout_s", "pull_timeout_s", "landing_blocks", "local_cache_blocks",
                      "out_hidden_size", "max_model_len", "prefix_block_size", "prefix_cache_blocks",
                      "mm_cache_items"):

@@ -18,6 +18,7 @@ is the channel's own business), small JSON objects (locations, ids, reasons), ne
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import tempfile
@@ -93,6 +94,10 @@ class SchedulerChannel:
                 self._sock.send_multipart([ident, data], zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # the worker is gone (engine shutting down) or its queue is full
                 logger.warning("EpdCacheConnector: order to rank %d not sent: %s", rank, exc)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until a message is there to :meth:`poll` (True), or ``timeout_s`` passed (False)."""
+        return bool(self._sock.poll(max(1, math.ceil(timeout_s * 1e3)), zmq.POLLIN))
 
     def poll(self) -> list[Report]:
         """Every report that arrived since the last call (hellos are taken here)."""

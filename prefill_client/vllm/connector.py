@@ -199,7 +199,7 @@ class EpdCacheConnector(ECConnectorBase):  # type: ignore[misc]
         self._side().allocated(request.mm_features[index].identifier)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> EpdCacheConnectorMetadata:
-        step = self._side().take_step()
+        step = self._side().take_step(scheduler_output.num_scheduled_tokens)
         return EpdCacheConnectorMetadata(place=step.place, drop=step.drop, rows=step.rows)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:

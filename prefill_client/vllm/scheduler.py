@@ -49,10 +49,11 @@ class SchedulerPulls(PullTracker[torch.Tensor]):
     def start(cls, cfg: PrefillConfig, engine: EngineFacts, metrics: PrefillMetrics) -> SchedulerPulls:
         from prefill_client.consumer.client import EncoderCacheClient
 
-        return cls(EncoderCacheClient.from_config(cfg, metrics, probe_connections=True), engine.width)
+        return cls(EncoderCacheClient.from_config(cfg, metrics, probe_connections=True), engine.width,
+                   cfg.idle_pull_wait_ms / 1e3)
 
-    def __init__(self, client: EncoderCacheClient, width: int | None) -> None:
-        super().__init__(client, "epd-pull")
+    def __init__(self, client: EncoderCacheClient, width: int | None, idle_wait_s: float = 0.0) -> None:
+        super().__init__(client, "epd-pull", idle_wait_s)
         self.width = width
         # request id -> its pull and the placements it holds leases for (given back if it never starts)
         self._jobs: dict[str, tuple[concurrent.futures.Future[dict[str, torch.Tensor]], list[Placement]]] = {}
@@ -77,6 +78,11 @@ class SchedulerPulls(PullTracker[torch.Tensor]):
             return False
         self._held.update(rows)
         return all(w.identifier in self._held for w in wanted)
+
+    def _wait_for_news(self, timeout_s: float) -> None:
+        running = [future for future, _ in self._jobs.values() if not future.done()]
+        if running:
+            concurrent.futures.wait(running, timeout_s, concurrent.futures.FIRST_COMPLETED)
 
     def _pull(self, missing: Sequence[Wanted], placed: Mapping[str, Placement]) -> dict[str, torch.Tensor]:
         """Pool thread: one verified pull for the request's missing items (bounded by the client's
@@ -136,13 +142,14 @@ class WorkerPulls(PullTracker[str]):
         # This client pulls nothing (the workers do): it looks items up and gives leases back.
         client = EncoderCacheClient.from_config(
             dataclasses.replace(cfg, landing_blocks=1, local_cache_blocks=1), metrics)
-        return cls(client, SchedulerChannel(engine.channel, engine.ranks), cfg.landing_blocks)
+        return cls(client, SchedulerChannel(engine.channel, engine.ranks), cfg.landing_blocks,
+                   idle_wait_s=cfg.idle_pull_wait_ms / 1e3)
 
     def __init__(self, client: EncoderCacheClient, channel: SchedulerChannel, landing_blocks: int,
-                 job_deadline_s: float | None = None) -> None:
+                 job_deadline_s: float | None = None, idle_wait_s: float = 0.0) -> None:
         """``job_deadline_s``: how long every rank has to report a pull; past it the request fails
         (by default what the client's own deadlines allow a pull: two RPCs, four transfer waits, 5 s)."""
-        super().__init__(client, "epd-locate")
+        super().__init__(client, "epd-locate", idle_wait_s)
         self.job_deadline_s = job_deadline_s if job_deadline_s is not None else (
             2 * client.rpc_timeout_s + 4 * client.pull_timeout_s + 5.0)
         self.channel = channel
@@ -216,6 +223,11 @@ class WorkerPulls(PullTracker[str]):
         self._blocks_in_flight += job.blocks
         self.channel.send(PullOrder(job.job_id, tuple(job.placements),
                                     {w.identifier: w.num_embeds for w in job.wanted}))
+
+    def _wait_for_news(self, timeout_s: float) -> None:
+        # A lookup ends on a pool thread, not on the channel: look up from it every millisecond then.
+        locating = any(job.locating is not None for job in self._jobs.values())
+        self.channel.wait(min(timeout_s, 0.001) if locating else timeout_s)
 
     def progress(self) -> None:
         """Take finished lookups and the workers' reports (called from every hook that decides)."""

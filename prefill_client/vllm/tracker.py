@@ -18,8 +18,9 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import logging
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from common.errors import ConfigError
@@ -42,8 +43,11 @@ class PullTracker(abc.ABC, Generic[HeldT]):
     """Says an item "is available" only while it holds what makes it so (``HeldT``: the rows
     themselves, or the pull whose rows every rank holds), for as long as a request uses it."""
 
-    def __init__(self, client: EncoderCacheClient, thread_name: str) -> None:
+    def __init__(self, client: EncoderCacheClient, thread_name: str, idle_wait_s: float = 0.0) -> None:
+        """``idle_wait_s``: how long ``ensure`` may wait for a request's items while the engine has
+        nothing else to run (:meth:`ensure`); 0: never."""
         self.client = client
+        self.idle_wait_s = idle_wait_s
         self.metrics: PrefillMetrics = client.metrics
         # Pulls, lookups and lease releases block on the network: never on the scheduler's thread.
         self._threads = concurrent.futures.ThreadPoolExecutor(PULL_THREADS, thread_name_prefix=thread_name)
@@ -54,6 +58,8 @@ class PullTracker(abc.ABC, Generic[HeldT]):
         self._step = StepOrders()
         # Placements handed to a pull, which gives their leases back (the others go back at the end).
         self._taken: set[tuple[str, int, str]] = set()
+        self._stepping: set[str] = set()  # requests the last step ran that have not finished
+        self._waited = False  # this step (until take_step) waited, or runs a request already
 
     # --- vLLM's scheduler-side hooks (through the connector) ---------------------------------
 
@@ -61,7 +67,33 @@ class PullTracker(abc.ABC, Generic[HeldT]):
         return identifier in self._held
 
     def ensure(self, request: Request, num_computed_tokens: int) -> bool:
-        """True once every item the request still needs is available; else starts what gets it."""
+        """True once every item the request still needs is available; else starts what gets it.
+
+        While the engine has nothing else to run (no other request ran in the last step), waits up
+        to ``idle_wait_s`` for the items instead of answering "not yet" at once. An engine whose
+        every request is deferred steps empty and sleeps a millisecond between steps; each empty
+        step wakes every worker, which then contends with the pull for the cores and the GIL, and
+        the item found in hand is scheduled only a step later. Waiting here schedules it in this
+        very step. One request a step waits, the first deferred one, and none once the step runs a
+        request: the others order their pulls and wait their turn as before. Requests that arrive
+        meanwhile wait at most ``idle_wait_s``; a busy engine never waits.
+        """
+        rid = request.request_id
+        ready = self._ensure(request, num_computed_tokens)
+        if ready or self._waited or self.idle_wait_s <= 0 or self._stepping - {rid}:
+            self._waited |= ready  # this step runs the request: no later one of the step may hold it up
+            return ready
+        self._waited = True  # one wait a step: the requests after this one order their pulls and go on
+        give_up = time.monotonic() + self.idle_wait_s
+        while not ready and rid not in self._unavailable:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                break
+            self._wait_for_news(left)
+            ready = self._ensure(request, num_computed_tokens)
+        return ready
+
+    def _ensure(self, request: Request, num_computed_tokens: int) -> bool:
         self.progress()
         rid = request.request_id
         if rid in self._unavailable or rid in self._reported:
@@ -85,13 +117,17 @@ class PullTracker(abc.ABC, Generic[HeldT]):
         if held is not None:
             self._order_place(identifier, held)
 
-    def take_step(self) -> StepOrders:
-        """This step's orders to the workers (the connector's metadata), once."""
+    def take_step(self, scheduled: Iterable[str] = ()) -> StepOrders:
+        """This step's orders to the workers (the connector's metadata), once; ``scheduled``: the
+        ids of the requests the step runs (the engine is idle once they finished)."""
+        self._stepping = set(scheduled)
+        self._waited = False
         out, self._step = self._step, StepOrders()
         return out
 
     def finished(self, request: Request) -> None:
         rid = request.request_id
+        self._stepping.discard(rid)
         self._request_gone(rid)
         self._give_back_unused(request)
         self._unavailable.pop(rid, None)
@@ -107,6 +143,10 @@ class PullTracker(abc.ABC, Generic[HeldT]):
 
     def progress(self) -> None:
         """Take what finished in the background (called from every hook that decides)."""
+
+    def _wait_for_news(self, timeout_s: float) -> None:
+        """Block until something :meth:`progress` takes may have arrived, at most ``timeout_s``."""
+        time.sleep(min(timeout_s, 0.001))
 
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)

@@ -218,11 +218,11 @@ def _request(rid: str, items: Sequence[tuple[str, int]], params: dict[str, Any] 
                            get_num_encoder_embeds=lambda i: items[i][1])
 
 
-def _side(client: FakeClient) -> Any:
+def _side(client: FakeClient, idle_wait_s: float = 0.0) -> Any:
     pytest.importorskip("vllm", reason="the connector module imports vLLM")
     from prefill_client.vllm.scheduler import SchedulerPulls
 
-    return SchedulerPulls(client, WIDTH)  # type: ignore[arg-type]
+    return SchedulerPulls(client, WIDTH, idle_wait_s)  # type: ignore[arg-type]
 
 
 def _until(check: Any, timeout_s: float = 5.0) -> bool:
@@ -252,6 +252,22 @@ def test_available_only_once_the_rows_are_pulled() -> None:
     assert side.take_step().rows == {}
     side.finished(req)
     assert not side.has("a") and not side.has("b")
+    side.close()
+
+
+def test_the_scheduler_path_waits_for_its_pull_only_while_the_engine_is_idle() -> None:
+    client = FakeClient({"a": 4, "b": 4})
+    client.gate.set()
+    side = _side(client, idle_wait_s=30.0)
+    side.take_step(["text-1"])  # another request runs
+    req = _request("r1", [("a", 4)], to_params([_placement("a")]))
+    assert not side.ensure(req, 0)
+    side.take_step([])  # a step that ran nothing
+    assert side.ensure(req, 0) and side.has("a")
+    side.take_step(["r1"])
+    side.finished(req)  # the engine is idle again
+    other = _request("r2", [("b", 4)], to_params([_placement("b", lease_id=12)]))
+    assert side.ensure(other, 0), "an idle engine did not wait for the pull"
     side.close()
 
 

@@ -20,8 +20,7 @@ from common.errors import ECLoadFailure, LoadFailureReason
 from common.metrics import PrefillMetrics
 from common.wire import pb2
 from prefill_client.consumer.client import PulledItem
-from prefill_client.handoff import Placement
-from prefill_client.handoff import to_params
+from prefill_client.handoff import Placement, to_params
 
 pytest.importorskip("vllm", reason="the connector module imports vLLM")
 pytest.importorskip("zmq", reason="the connector's channel is ZeroMQ")
@@ -106,11 +105,11 @@ class Engine:
 
 
 def _engine(tmp_path: Path, rows: dict[str, int], ranks: int = 2, landing_blocks: int = 256,
-            job_deadline_s: float | None = None) -> Engine:
+            job_deadline_s: float | None = None, idle_wait_s: float = 0.0) -> Engine:
     addr = f"ipc://{tmp_path}/ch"
     tracker = TrackerClient(set(rows))
     side = WorkerPulls(tracker, SchedulerChannel(addr, ranks), landing_blocks,  # type: ignore[arg-type]
-                       job_deadline_s)
+                       job_deadline_s, idle_wait_s)
     clients = [RankClient(dict(rows)) for _ in range(ranks)]
     loaders = [WorkerLoader(c, WIDTH, torch.float32, addr, rank, torch.device("cpu"))  # type: ignore[arg-type]
                for rank, c in enumerate(clients)]
@@ -177,6 +176,56 @@ def test_available_only_once_every_rank_holds_the_rows(tmp_path: Path, engines: 
         loader.drop(drops)
         assert loader.landed == 0
     assert e.side.take_unavailable() == set()
+
+
+def test_an_idle_engine_waits_for_the_pull_and_a_busy_one_does_not(tmp_path: Path, engines: list[Engine]) -> None:
+    e = _engine(tmp_path, {"a": 4, "b": 4, "c": 4}, idle_wait_s=30.0)
+    engines.append(e)
+    e.open_all()
+    # Another request ran in the last step: "not yet" at once, whatever the bound.
+    e.side.take_step(["text-1"])
+    busy = _request("r1", [("a", 4)], to_params([_placement("a", 4)]))
+    assert not e.side.ensure(busy, 0)
+    # It finished: the engine has nothing else to run, so the next ask waits for every rank's rows
+    # (the pull above is under way: the wait takes its report).
+    e.side.finished(SimpleNamespace(request_id="text-1", mm_features=[], ec_transfer_params=None))
+    assert e.side.ensure(busy, 0) and e.side.has("a")
+    # A request alone in the last step (its own earlier chunk) does not make the engine busy.
+    e.side.take_step(["r2"])
+    own = _request("r2", [("b", 4)], to_params([_placement("b", 4, lease_id=12)]))
+    assert e.side.ensure(own, 0), "a new pull was not awaited while its own request was the only one running"
+    # The wait ends with a failure as soon as a rank reports it.
+    e.side.take_step([])  # an empty step: nothing else runs
+    e.ranks[1].fail = ECLoadFailure(LoadFailureReason.TAG_MISMATCH, "c", detail="on rank 1 only")
+    failing = _request("r3", [("c", 4)], to_params([_placement("c", 4, lease_id=13)]))
+    started = time.monotonic()
+    assert not e.side.ensure(failing, 0)
+    assert time.monotonic() - started < 25.0, "the wait went on after the failure"
+    assert e.side.take_unavailable() == {"r3"}
+
+
+def test_the_idle_wait_ends_at_its_bound(tmp_path: Path, engines: list[Engine]) -> None:
+    e = _engine(tmp_path, {"a": 4}, idle_wait_s=0.05)
+    engines.append(e)  # gates closed: the pull cannot end while ensure waits
+    req = _request("r1", [("a", 4)], to_params([_placement("a", 4)]))
+    assert not e.side.ensure(req, 0)
+    e.side.take_step([])
+    assert not e.side.ensure(req, 0)  # the next step waits again, still bounded
+    e.open_all()
+    assert _until(lambda: e.side.ensure(req, 0))
+
+
+def test_one_request_a_step_waits_and_none_once_the_step_runs_one(tmp_path: Path, engines: list[Engine]) -> None:
+    e = _engine(tmp_path, {"a": 4, "b": 4}, ranks=1, idle_wait_s=30.0)
+    engines.append(e)
+    e.open_all()
+    first = _request("r1", [("a", 4)], to_params([_placement("a", 4)]))
+    second = _request("r2", [("b", 4)], to_params([_placement("b", 4, lease_id=12)]))
+    assert e.side.ensure(first, 0)  # waited: this step runs it
+    assert not e.side.ensure(second, 0), "a second request held up a step that runs the first"
+    assert _until(lambda: e.loaders[0].landed == 2), "the second request's pull was not ordered"
+    e.side.take_step(["r1"])
+    assert e.side.ensure(second, 0)  # in hand by now: no wait needed
 
 
 @pytest.mark.parametrize("reason", [LoadFailureReason.EVICTED, LoadFailureReason.TAG_MISMATCH,
