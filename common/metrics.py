@@ -77,6 +77,8 @@ EPD_LEASES_EXPIRED = "epd_encoder_leases_expired"
 EPD_LEASES_DROPPED = "epd_encoder_leases_dropped"
 EPD_WARMUP_BUCKETS = "epd_encoder_warmup_buckets"
 EPD_QUEUE_TOKENS = "epd_encoder_queue_tokens"
+EPD_RUN_FIXED = "epd_encoder_run_fixed_seconds"
+EPD_RUN_PER_TOKEN = "epd_encoder_run_seconds_per_token"
 EPD_WARMUP_BUCKETS_READY = "epd_encoder_warmup_buckets_ready"
 # epd proxy: the OpenAI-compatible front (vLLM's server metrics as far as they fit, prefixed).
 PROXY_PREFIX = "epd_proxy_"
@@ -167,6 +169,14 @@ class EncoderMetrics(InputProcessorMetrics):
         self.queue_tokens = Gauge(
             EPD_QUEUE_TOKENS, "Merged tokens of cache misses waiting for or in an encoder run",
             registry=r, multiprocess_mode="sum")
+        # What the batcher learnt of its runs (encoder_server.batcher.RunCosts): whether a waiting
+        # miss joins a run depends on these two.
+        self.run_fixed_seconds = Gauge(
+            EPD_RUN_FIXED, "A run's fixed cost, fitted to the last encoder runs (0 until runs of two sizes)",
+            registry=r, multiprocess_mode="max")
+        self.run_seconds_per_token = Gauge(
+            EPD_RUN_PER_TOKEN, "A run's cost per merged token, fitted to the last encoder runs (0 until runs "
+            "of two sizes)", registry=r, multiprocess_mode="max")
         # Start-up progress: /metrics is up while the bucket graphs are still being built.
         self.warmup_buckets = Gauge(
             EPD_WARMUP_BUCKETS, "Bucket graphs the encoder builds before it is ready",

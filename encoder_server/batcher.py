@@ -122,6 +122,14 @@ class RunCosts:
         per_token = sxy / sxx
         return mean_y - per_token * mean_x, per_token
 
+    def publish(self, metrics: EncoderMetrics) -> None:
+        """The fitted line on ``/metrics`` (``epd_encoder_run_fixed_seconds``,
+        ``epd_encoder_run_seconds_per_token``); left as they were while it is unknown."""
+        fit = self.fit()
+        if fit is not None:
+            metrics.run_fixed_seconds.set(fit[0])
+            metrics.run_seconds_per_token.set(fit[1])
+
     def worth_joining(self, tokens: int) -> bool:
         """Whether an item of ``tokens`` should join a run rather than wait for one of its own:
         its cost to the run's other items (``per_token * tokens``) is at most what it saves (a
@@ -244,6 +252,7 @@ class EncodeBatcher:
         elapsed = time.perf_counter() - started
         self.metrics.encode_latency.observe(elapsed)
         self.costs.add(tokens, elapsed)
+        self.costs.publish(self.metrics)
         self.stats.encoder_runs += 1
         self.stats.items_encoded += len(batch)
         self.stats.batch_sizes[len(batch)] += 1

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from common import metrics as m
 from encoder_server.batcher import BATCH_DELAY_FLOOR_S, RunCosts, next_batch
 
 
@@ -45,6 +46,23 @@ def test_the_fitted_line_is_the_runs_own_and_unknown_with_one_size() -> None:
         window.add(n, t)
     got = window.fit()
     assert got is not None and got[0] == pytest.approx(0.0) and got[1] == pytest.approx(1 / 64)
+
+
+def test_the_fitted_line_is_on_metrics_once_known() -> None:
+    metrics = m.EncoderMetrics()
+    costs = RunCosts()
+
+    def shown() -> tuple[float | None, float | None]:
+        return (metrics.registry.get_sample_value(m.EPD_RUN_FIXED),
+                metrics.registry.get_sample_value(m.EPD_RUN_PER_TOKEN))
+
+    costs.add(64, 1.5)
+    costs.publish(metrics)
+    assert shown() == (0.0, 0.0)  # one size: unknown
+    costs.add(128, 2.9)
+    costs.publish(metrics)
+    fixed, per_token = shown()
+    assert fixed == pytest.approx(0.1) and per_token == pytest.approx(1.4 / 64)
 
 
 def test_an_item_joins_a_run_only_when_its_cost_is_below_what_a_run_of_its_own_costs() -> None:
