@@ -83,6 +83,8 @@ class SchedulerPulls(PullTracker[torch.Tensor]):
         running = [future for future, _ in self._jobs.values() if not future.done()]
         if running:
             concurrent.futures.wait(running, timeout_s, concurrent.futures.FIRST_COMPLETED)
+        else:  # a finished pull is taken by the next look; nothing to block on
+            super()._wait_for_news(timeout_s)
 
     def _pull(self, missing: Sequence[Wanted], placed: Mapping[str, Placement]) -> dict[str, torch.Tensor]:
         """Pool thread: one verified pull for the request's missing items (bounded by the client's
