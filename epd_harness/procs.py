@@ -66,6 +66,17 @@ class EncoderLaunch:
     ready_path: Path
     log_path: Path
     name: str
+    port: int = 0  # given with --port: known before it is ready
+
+    @property
+    def target(self) -> str:
+        """Its gRPC address before it is ready (only when launched with a ``--port`` of its own)."""
+        if not self.port:
+            raise ValueError(f"{self.name} was launched on port 0: its address is known once it is ready")
+        return f"127.0.0.1:{self.port}"
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        return terminate(self.proc, timeout)
 
     def wait(self) -> EncoderProcess:
         """Wait until it is ready, following its start-up (:func:`~epd_harness.waits.wait_ready`)."""
@@ -106,7 +117,8 @@ def launch_encoder(tmp_path: Path, *args: str, env: dict[str, str] | None = None
     full_env = {**os.environ, **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO_ROOT)
-    return EncoderLaunch(proc, ready, log_path, name)
+    port = int(args[args.index("--port") + 1]) if "--port" in args else 0
+    return EncoderLaunch(proc, ready, log_path, name, port)
 
 
 def bench_encoder_args(transport: str, blocks: int, block_size: int = 64) -> list[str]:
@@ -134,8 +146,13 @@ class SoakEncoder:
 
     @classmethod
     def start(cls, tmp: Path, name: str, *args: str) -> SoakEncoder:
-        proc = start_encoder(tmp, *args, name=name)
-        return cls(tmp, (*args, "--port", str(proc.port)), name, proc)
+        return cls.launched(tmp, launch_encoder(tmp, *args, name=name), *args)
+
+    @classmethod
+    def launched(cls, tmp: Path, launch: EncoderLaunch, *args: str) -> SoakEncoder:
+        """The encoder :func:`launch_encoder` started with ``args``, once ready (its restarts keep its port)."""
+        proc = launch.wait()
+        return cls(tmp, (*args, "--port", str(proc.port)), launch.name, proc)
 
     @property
     def target(self) -> str:

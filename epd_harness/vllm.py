@@ -21,7 +21,7 @@ import httpx
 
 from common.weights_digest import checkpoint_digest
 from epd_harness.ports import free_port
-from epd_harness.procs import EncoderProcess, start_encoder, terminate
+from epd_harness.procs import EncoderLaunch, EncoderProcess, launch_encoder, terminate
 from epd_harness.waits import wait_ready
 
 # Bound the whole start; a stalled one fails long before (see epd_harness.waits). vLLM takes
@@ -219,7 +219,7 @@ class TowerStack:
         self.encoder.terminate()
 
 
-def stop_started(started: Sequence[Server | EncoderProcess]) -> None:
+def stop_started(started: Sequence[Server | EncoderProcess | EncoderLaunch]) -> None:
     """Stop what a failed start-up had started, the last first (vLLM servers with their engines)."""
     for proc in reversed(started):
         if isinstance(proc, Server):
@@ -233,19 +233,22 @@ def start_tower_stack(tmp: Path, model: str, checkpoint: Path, consumer_checkpoi
     """Start it all and wait until every server is up; on failure stop what started, then raise.
 
     ``consumer_checkpoint``: what the consumer vLLM loads (a copy with noise vision weights
-    proves every row came from the encoder). The baseline starts first and loads while the
-    encoder does: most of each start-up is imports and process spawns.
+    proves every row came from the encoder). All three start at once (most of each start-up is
+    imports and process spawns): the encoder's port is chosen here, so the consumer, whose
+    connector finds the encoder once it is ready, need not wait for it.
     """
     metrics_port = free_port()
     baseline = launch_baseline(checkpoint, tmp / "vllm-baseline.log", model)
-    started: list[Server | EncoderProcess] = [baseline]
+    started: list[Server | EncoderProcess | EncoderLaunch] = [baseline]
     try:
-        encoder = start_encoder(tmp, "--tower", "vllm", "--weights", str(checkpoint), "--cache-dtype", "float32",
-                                "--model-id", model, *encoder_args, env={"HF_HUB_OFFLINE": "1"})
-        started.append(encoder)
-        consumer = launch_consumer(consumer_checkpoint, tmp / "vllm-consumer.log", model, [encoder.target],
+        launch = launch_encoder(tmp, "--tower", "vllm", "--weights", str(checkpoint), "--cache-dtype", "float32",
+                                "--model-id", model, "--port", str(free_port()), *encoder_args,
+                                env={"HF_HUB_OFFLINE": "1"})
+        started.append(launch)
+        consumer = launch_consumer(consumer_checkpoint, tmp / "vllm-consumer.log", model, [launch.target],
                                    metrics_port=metrics_port, weights_digest=checkpoint_digest(checkpoint))
         started.append(consumer)
+        encoder = launch.wait()
         wait_vllm(baseline)
         wait_vllm(consumer)
         proxy = start_proxy(tmp / "proxy.log", [encoder.target], [consumer.url])

@@ -18,7 +18,8 @@ import pytest
 
 from common.metrics import EPD_LEASES_ACTIVE, PROXY_BACKEND_RUNNING
 from epd_harness.media import image_url
-from epd_harness.procs import EncoderProcess, start_encoder
+from epd_harness.ports import free_port
+from epd_harness.procs import EncoderProcess, launch_encoder
 from epd_harness.qwen3vl import write_qwen3vl_checkpoint
 from epd_harness.vllm import Server, connector_config, launch_vllm, start_proxy, stop_vllm, vllm_missing, wait_vllm
 from tests.support.scrape import scrape
@@ -47,13 +48,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("proxy-routing")
     checkpoint = write_qwen3vl_checkpoint(tmp / "checkpoint", seed=7)
-    encoder = start_encoder(tmp, "--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL)
-    config = connector_config([encoder.target], MODEL, metrics_port=-1)
-    # Both engines start at once, each on its own core; their statistics feed /metrics (prefix cache hits).
+    # The encoder and both engines start at once (the encoder on a port chosen here, which the engines'
+    # connectors are given), each engine on its own core; their statistics feed /metrics (prefix cache hits).
+    launch = launch_encoder(tmp, "--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL,
+                            "--port", str(free_port()))
+    config = connector_config([launch.target], MODEL, metrics_port=-1)
     backends = [launch_vllm(checkpoint, tmp / f"vllm-{i}.log", "--served-model-name", MODEL,
                             "--ec-transfer-config", config, cpu_core=i, log_stats=True) for i in range(2)]
     proxy: Server | None = None
     try:
+        encoder = launch.wait()
         for backend in backends:
             wait_vllm(backend)
             # Each engine's first request pays its one-time set-up; not inside a timed turn.
@@ -69,7 +73,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             if backend.alive():  # frozen by the test when it failed before killing it
                 os.killpg(backend.proc.pid, signal.SIGCONT)
             stop_vllm(backend)
-        encoder.terminate()
+        launch.terminate()
 
 
 def _total(server: Server, name: str) -> float:

@@ -23,7 +23,7 @@ from common.weights_digest import checkpoint_digest
 from epd_harness.families import noise_vision_copy
 from epd_harness.media import image_url, video_url
 from epd_harness.ports import free_port
-from epd_harness.procs import EncoderProcess, SoakEncoder, start_encoder
+from epd_harness.procs import EncoderProcess, SoakEncoder, launch_encoder, start_encoder
 from epd_harness.qwen3vl import write_qwen3vl_checkpoint
 from epd_harness.vllm import PIL_IMAGE_PROCESSOR, Server, VllmPair, chat_body, start_pair, start_proxy, vllm_missing
 from prefill_client.consumer.client import EncoderCacheClient
@@ -75,9 +75,16 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     assert checkpoint_digest(noise) != checkpoint_digest(checkpoint)
     encoder_args = ("--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL,
                     "--lease-ttl-ms", str(LEASE_TTL_MS), "--cache-blocks", str(CACHE_BLOCKS))
-    encoder = start_encoder(tmp, *encoder_args)
-    # A second encoder the connector knows from the start, for the soak (the other tests use the first).
-    second = SoakEncoder.start(tmp, "encoder-b", *encoder_args)
+    # A second encoder the connector knows from the start, for the soak (the other tests use the first);
+    # both start at once.
+    launches = [launch_encoder(tmp, *encoder_args), launch_encoder(tmp, *encoder_args, name="encoder-b")]
+    try:
+        encoder = launches[0].wait()
+        second = SoakEncoder.launched(tmp, launches[1], *encoder_args)
+    except BaseException:
+        for launch in launches:
+            launch.terminate()
+        raise
     metrics_port = free_port()
     pair: VllmPair | None = None
     servers: list[Server] = []
