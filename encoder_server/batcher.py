@@ -98,17 +98,15 @@ class RunCosts:
 
     def __init__(self, history: int = RUN_HISTORY) -> None:
         self._runs: collections.deque[tuple[int, float]] = collections.deque(maxlen=history)
-        self._fit: tuple[float, float] | None = None  # of the runs now; fitted when first asked after a run
-        self._fitted = True
+        self._fit: tuple[float, float] | None = None  # of the runs now
 
     def add(self, tokens: int, seconds: float) -> None:
+        """One more run; the line is fitted again (once a run, not once a candidate item)."""
         self._runs.append((tokens, seconds))
-        self._fitted = False
+        self._fit = self._least_squares()
 
     def fit(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token), or None while the runs do not tell them apart."""
-        if not self._fitted:
-            self._fit, self._fitted = self._least_squares(), True
         return self._fit
 
     def _least_squares(self) -> tuple[float, float] | None:

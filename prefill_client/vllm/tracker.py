@@ -80,7 +80,7 @@ class PullTracker(abc.ABC, Generic[HeldT]):
         """
         rid = request.request_id
         ready = self._ensure(request, num_computed_tokens)
-        if ready or self._waited or self.idle_wait_s <= 0 or self._stepping - {rid}:
+        if ready or self._waited or self.idle_wait_s <= 0 or any(r != rid for r in self._stepping):
             self._waited |= ready  # this step runs the request: no later one of the step may hold it up
             return ready
         self._waited = True  # one wait a step: the requests after this one order their pulls and go on
