@@ -24,6 +24,13 @@ from epd_harness.vllm import Server, connector_config, launch_vllm
 NIXL_ALIAS = Path(__file__).resolve().parent / "nixl_alias"
 
 
+# The KV cache of each engine of the split: 64 MiB, 131,072 tokens of the tiny test model (its 8
+# sequences of 4,096 need a quarter). vLLM's NixlConnector prepares a NIXL descriptor for every
+# block of a peer's cache on a decode's first request from each prefill (and for its own cache at
+# start): at the 1 GiB the other test engines get (``VLLM_ENV``) that took minutes on two cores.
+KV_CACHE_BYTES = 64 << 20
+
+
 def kv_transfer_config(role: str) -> str:
     """``--kv-transfer-config`` of NixlConnector as ``role`` (``kv_producer``: prefill,
     ``kv_consumer``: decode), the KV staged in host memory."""
@@ -45,16 +52,16 @@ def launch_prefill(checkpoint: Path, log_path: Path, model: str, encoders: Seque
     return launch_vllm(checkpoint, log_path, "--served-model-name", model,
                        "--ec-transfer-config", connector_config(encoders, model, **connector),
                        "--kv-transfer-config", kv_transfer_config("kv_producer"), cpu_core=cpu_core,
-                       extra_env={**nixl_env(), **(extra_env or {})})
+                       extra_env={**nixl_env(), **(extra_env or {})}, kv_cache_bytes=KV_CACHE_BYTES)
 
 
-def launch_decode(checkpoint: Path, log_path: Path, model: str, *, cpu_core: int, log_stats: bool = False,
+def launch_decode(checkpoint: Path, log_path: Path, model: str, *, cpu_core: int,
                   extra_env: Mapping[str, str] | None = None) -> Server:
     """A decode vLLM of ``checkpoint`` served as ``model``: NixlConnector as KV consumer, no encoder
     cache connector (it takes the prompt's KV, never its media); not waited for."""
     return launch_vllm(checkpoint, log_path, "--served-model-name", model,
                        "--kv-transfer-config", kv_transfer_config("kv_consumer"), cpu_core=cpu_core,
-                       log_stats=log_stats, extra_env={**nixl_env(), **(extra_env or {})})
+                       extra_env={**nixl_env(), **(extra_env or {})}, kv_cache_bytes=KV_CACHE_BYTES)
 
 
 def split_args(prefill: Sequence[Server], decode: Sequence[Server]) -> list[str]:

@@ -74,7 +74,8 @@ class Server:
 
 
 def launch_vllm(model: Path, log_path: Path, *args: str, cpu_core: int | None = None,
-                tensor_parallel: int = 1, log_stats: bool = False, extra_env: Mapping[str, str] | None = None) -> Server:
+                tensor_parallel: int = 1, log_stats: bool = False, extra_env: Mapping[str, str] | None = None,
+                kv_cache_bytes: int | None = None) -> Server:
     """Start ``vllm serve MODEL`` on a free port without waiting (see :func:`wait_vllm`).
 
     ``cpu_core``: the core the CPU build's engine binds its OpenMP threads to. By default every
@@ -82,13 +83,18 @@ def launch_vllm(model: Path, log_path: Path, *args: str, cpu_core: int | None = 
     ``tensor_parallel``: ranks of the engine, each bound to its own core from ``cpu_core`` on
     (the CPU build refuses to bind several ranks to one NUMA node by itself).
     ``log_stats``: keep vLLM's statistics, and so the engine metrics on its ``/metrics`` (off: less work
-    per step). ``extra_env``: variables set for it besides :data:`VLLM_ENV`.
+    per step). ``extra_env``: variables set for it besides :data:`VLLM_ENV`. ``kv_cache_bytes``: its KV
+    cache instead of :data:`VLLM_ENV`'s 1 GiB (``VLLM_CPU_KVCACHE_SPACE``, which would override the flag,
+    is then left out).
     """
     port = free_port()
     cmd = [sys.executable, "-m", "common.cli", "vllm", "serve", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len", "4096",
            "--max-num-seqs", "8", *([] if log_stats else ["--disable-log-stats"]), *args]
     env = {**os.environ, **VLLM_ENV, **(extra_env or {})}
+    if kv_cache_bytes is not None:
+        cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     cores = os.cpu_count() or 1
     if tensor_parallel > 1:
         cmd += ["--tensor-parallel-size", str(tensor_parallel)]

@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from common.metrics import PROXY_BACKEND_RUNNING
 from epd_harness.disagg import launch_decode, launch_prefill, split_args
 from epd_harness.families import noise_vision_copy
 from epd_harness.media import image_url
@@ -49,7 +48,6 @@ LOGPROB_ATOL = 1e-3
 # integer count: the same answers, the baseline's included).
 NO_COMPILE = {"TORCH_COMPILE_DISABLE": "1"}
 REQUEST_TIMEOUT_S = 300.0  # a first request on a busy box
-RUNNING = "vllm:num_requests_running"
 READY_WAIT_S = 30.0
 KNOWN_IMAGE = image_url(1, 96, 128)  # sent by two tests: the second finds it in the encoder's cache
 
@@ -70,9 +68,9 @@ HANDSHAKE_TRIES = 5
 def _first_handshake(prefill: Server, decode: Server) -> None:
     """One text request prefilled on ``prefill`` and decoded on ``decode``, before any test: the
     decode's first request from a prefill engine makes NIXL's handshake with it, whose reply vLLM
-    waits for 5 s at most (a fixed deadline in its NixlConnector). With four engines and their NIXL
-    progress threads on two cores that can run out, and the request then fails (a 500); the next
-    one makes the handshake again. The tests' requests then find it made."""
+    waits for 5 s at most (a fixed deadline in its NixlConnector). With four engines on two cores
+    that can run out, and the request then fails (a 500); the next one makes the handshake again.
+    The tests' requests then find it made."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
     failures: list[str] = []
     for _ in range(HANDSHAKE_TRIES):
@@ -96,24 +94,27 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
     checkpoint = write_qwen3vl_checkpoint(tmp / "checkpoint", seed=7)
     noise = noise_vision_copy(checkpoint, tmp / "noise-vision")
     # Everything starts at once (most of each start-up is imports and process spawns); the
-    # prefill needs the encoder's address, so it starts once the encoder is up.
+    # prefill needs the encoder's address, so it starts once the encoder is up. The prefill has a
+    # core of its own, the rest share the other: a vLLM worker spins on its core for a second
+    # after each message, and this box's scheduler then starves another engine bound to that
+    # core for minutes (seen: a prefill frozen while its decode, on its core, spun waiting for
+    # that prefill's KV). The decodes wait on the prefill, never on each other or the baseline.
     started = [launch_vllm(checkpoint, tmp / "vllm-baseline.log", "--served-model-name", MODEL, *PIL_IMAGE_PROCESSOR,
                            cpu_core=0, extra_env=NO_COMPILE)]
     encoder: EncoderProcess | None = None
     proxy: Server | None = None
     try:
         launch = launch_encoder(tmp, "--weights", str(checkpoint), "--cache-dtype", "float32", "--model-id", MODEL)
-        # The decodes keep their statistics: the kill test asks which one runs a request.
-        started += [launch_decode(noise, tmp / f"vllm-decode-{i}.log", MODEL, cpu_core=i, log_stats=True,
-                                  extra_env=NO_COMPILE) for i in range(2)]
+        started += [launch_decode(noise, tmp / f"vllm-decode-{i}.log", MODEL, cpu_core=0, extra_env=NO_COMPILE)
+                    for i in range(2)]
         encoder = launch.wait()
         started.append(launch_prefill(noise, tmp / "vllm-prefill.log", MODEL, [encoder.target], cpu_core=1,
                                       extra_env=NO_COMPILE))
         for server in started:
             wait_vllm(server)
         baseline, decode, prefill = started[0], started[1:3], started[3]
-        with ThreadPoolExecutor(len(decode)) as pool:  # the two wait on their handshakes at once
-            list(pool.map(lambda server: _first_handshake(prefill, server), decode))
+        for server in decode:  # one at a time: two decodes spinning on one core take turns badly
+            _first_handshake(prefill, server)
         proxy = start_proxy(tmp / "proxy.log", [encoder.target], [], "--model-id", MODEL,
                             *split_args([prefill], decode))
         yield Split(tmp, encoder, baseline, prefill, decode, proxy)
@@ -222,35 +223,36 @@ def test_ready_names_both_pools(split: Split) -> None:
     assert sorted(body["decode"]["ready"]) == sorted(s.url for s in split.decode)
 
 
-def _running(server: Server) -> float:
-    """Requests ``server`` runs now; 0 when its /metrics does not answer in time (a busy API server:
-    the caller asks again until its own deadline)."""
-    port = int(server.url.rsplit(":", 1)[1])
-    try:
-        samples = scrape(port).samples
-    except OSError:  # a timeout, a refused or reset connection (urllib's errors are OSErrors)
-        return 0.0
-    return sum(v for k, v in samples.items() if k.startswith(RUNNING))
+def _has_token(event: dict[str, Any]) -> bool:
+    """Whether a stream event carries a token (the role chunk before the first one carries none)."""
+    choices = event.get("choices") or [{}]
+    return bool(choices[0].get("logprobs"))
 
 
 def test_killed_decode_fails_its_request_alone(split: Split) -> None:
-    """A decode killed while it answers fails that request (one 502 naming it); the request after it
-    goes to the other decode. Runs last: it leaves one decode."""
-    long = {**_body([image_url(7, 128, 128)], "go on", max_tokens=3000), "ignore_eos": True}
-    out: list[httpx.Response] = []
-    thread = threading.Thread(target=lambda: out.append(_post(split.proxy.url, long)), daemon=True)
-    thread.start()
-    victim: Server | None = None
-    deadline = time.monotonic() + REQUEST_TIMEOUT_S
-    while victim is None and thread.is_alive() and time.monotonic() < deadline:
-        victim = next((s for s in split.decode if _running(s) > 0), None)
-        time.sleep(0.05)
-    assert victim is not None, out[0].text if out else "no decode ran the request"
-    os.killpg(victim.proc.pid, signal.SIGKILL)
-    victim.proc.wait(30)
-    thread.join(REQUEST_TIMEOUT_S)
-    assert out and out[0].status_code == 502, out[0].text if out else "no answer"
-    assert f"decode {victim.url} failed the request" in out[0].json()["error"]["message"], out[0].text
+    """A decode killed while it streams an answer ends that stream with one error event naming it;
+    the request after it goes to the other decode. Runs last: it leaves one decode.
+
+    The victim is the decode the proxy relays from once the first token is through (its in-flight
+    gauge): the request has thousands of tokens to go then, so the kill lands mid-answer."""
+    long = {**_body([image_url(7, 128, 128)], "go on", max_tokens=3000), "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", split.proxy.url + "/v1/chat/completions", json=long,
+                      timeout=REQUEST_TIMEOUT_S) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = resp.iter_lines()
+        for line in lines:
+            if line.startswith("data: {") and _has_token(json.loads(line[6:])):
+                break
+        running = scrape(split.proxy.port)
+        victims = [s for s in split.decode if running.get(PROXY_BACKEND_RUNNING, backend=s.url) > 0]
+        assert len(victims) == 1, running.text
+        victim = victims[0]
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(30)
+        errors = [json.loads(line[6:])["error"] for line in lines if line.startswith('data: {"error"')]
+    assert len(errors) == 1, errors
+    assert f"decode {victim.url} failed the request" in errors[0]["message"], errors
+    assert errors[0]["code"] == 502, errors
     body = _body([image_url(8, 128, 128)], "after the kill")  # one request: each is seconds here
     got, want = _outputs(_post(split.proxy.url, body)), _outputs(_post(split.baseline.url, body))
     assert got[0] == want[0], "greedy tokens differ after the kill"
