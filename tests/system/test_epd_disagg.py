@@ -94,13 +94,14 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
     checkpoint = write_qwen3vl_checkpoint(tmp / "checkpoint", seed=7)
     noise = noise_vision_copy(checkpoint, tmp / "noise-vision")
     # Everything starts at once (most of each start-up is imports and process spawns); the
-    # prefill needs the encoder's address, so it starts once the encoder is up. The prefill has a
-    # core of its own, the rest share the other: a vLLM worker spins on its core for a second
-    # after each message, and this box's scheduler then starves another engine bound to that
-    # core for minutes (seen: a prefill frozen while its decode, on its core, spun waiting for
-    # that prefill's KV). The decodes wait on the prefill, never on each other or the baseline.
+    # prefill needs the encoder's address, so it starts once the encoder is up. The decodes share
+    # core 0, the prefill and the baseline core 1. A decode never shares a core with the prefill
+    # it waits on: a vLLM worker spins on its core for a second after each message, and this
+    # box's scheduler then starved the other engine bound there for minutes (seen: a prefill
+    # frozen while its decode spun on its core, waiting for that prefill's KV). Nor do both
+    # decodes' NIXL progress threads, which spin for good, share the baseline's core.
     started = [launch_vllm(checkpoint, tmp / "vllm-baseline.log", "--served-model-name", MODEL, *PIL_IMAGE_PROCESSOR,
-                           cpu_core=0, extra_env=NO_COMPILE)]
+                           cpu_core=1, extra_env=NO_COMPILE)]
     encoder: EncoderProcess | None = None
     proxy: Server | None = None
     try:
