@@ -114,7 +114,7 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
         for server in started:
             wait_vllm(server)
         baseline, decode, prefill = started[0], started[1:3], started[3]
-        for server in decode:  # one at a time: two decodes spinning on one core take turns badly
+        for server in decode:  # one at a time: the two share core 0
             _first_handshake(prefill, server)
         proxy = start_proxy(tmp / "proxy.log", [encoder.target], [], "--model-id", MODEL,
                             *split_args([prefill], decode))
@@ -138,6 +138,12 @@ def _outputs(resp: httpx.Response) -> tuple[list[int], list[float]]:
     return choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
 
 
+def _has_token(event: dict[str, Any]) -> bool:
+    """Whether a stream event carries a token (the role chunk before the first one carries none)."""
+    choices = event.get("choices") or [{}]
+    return bool(choices[0].get("logprobs"))
+
+
 def _streamed(url: str, body: dict[str, Any]) -> tuple[list[str], list[float]]:
     tokens: list[str] = []
     logprobs: list[float] = []
@@ -150,10 +156,10 @@ def _streamed(url: str, body: dict[str, Any]) -> tuple[list[str], list[float]]:
                 continue
             event = json.loads(line[6:])
             assert "error" not in event, event
-            choice = event["choices"]
-            if choice and choice[0].get("logprobs"):
-                tokens += [t["token"] for t in choice[0]["logprobs"]["content"]]
-                logprobs += [t["logprob"] for t in choice[0]["logprobs"]["content"]]
+            if _has_token(event):
+                content = event["choices"][0]["logprobs"]["content"]
+                tokens += [t["token"] for t in content]
+                logprobs += [t["logprob"] for t in content]
     return tokens, logprobs
 
 
@@ -222,12 +228,6 @@ def test_ready_names_both_pools(split: Split) -> None:
     assert body["ready"], body
     assert body["prefill"]["ready"] == [split.prefill.url]
     assert sorted(body["decode"]["ready"]) == sorted(s.url for s in split.decode)
-
-
-def _has_token(event: dict[str, Any]) -> bool:
-    """Whether a stream event carries a token (the role chunk before the first one carries none)."""
-    choices = event.get("choices") or [{}]
-    return bool(choices[0].get("logprobs"))
 
 
 def test_killed_decode_fails_its_request_alone(split: Split) -> None:
