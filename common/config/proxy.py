@@ -106,6 +106,12 @@ class ProxyConfig:
              "unread. 0: no bound. 256 is vLLM's default max_num_seqs on GPUs under 70 GiB, and each request "
              "in flight keeps its body and media in the proxy's memory: raise it with the backends' capacity "
              "and the proxy's memory")
+    drain_grace_s: float = setting(
+        20.0, env="EPD_PROXY_DRAIN_GRACE_S",
+        help="on SIGTERM (or SIGINT) the proxy stops listening at once and gives the requests in flight, streams "
+             "included, this long to finish; those still running are then cut (their backend requests closed, "
+             "which vLLM aborts) and it exits. In a pod, keep terminationGracePeriodSeconds above the preStop "
+             "pause plus this")
     workers: int = setting(
         1, env="EPD_PROXY_WORKERS",
         help="proxy processes serving the one port (SO_REUSEPORT), sharing nothing else; the bounds and "
@@ -126,6 +132,7 @@ class ProxyConfig:
         require(self.backend_connect_timeout_s > 0, "backend_connect_timeout_s", self.backend_connect_timeout_s,
                 "must be > 0")
         require(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535]")
+        require(self.drain_grace_s >= 0, "drain_grace_s", self.drain_grace_s, "must be >= 0")
         for name in ("media_fetch_timeout_s", "max_request_bytes", "backend_timeout_s", "rpc_timeout_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         for key in self.api_keys:

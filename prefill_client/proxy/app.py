@@ -109,6 +109,11 @@ class Proxy:
         self._rpc_threads.shutdown(wait=False, cancel_futures=True)
 
     @property
+    def inflight(self) -> int:
+        """Requests admitted and not yet answered in full, in this process."""
+        return self._front.inflight
+
+    @property
     def session(self) -> aiohttp.ClientSession:
         """The HTTP client of backends and remote media (made when the application starts)."""
         assert self._session is not None

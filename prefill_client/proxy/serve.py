@@ -35,7 +35,7 @@ def serve(cfg: ProxyConfig, port: int, started: Callable[[int], None], *, reuse_
     client = new_client(cfg, cfg.model_id) if cfg.model_id is not None else None
     try:
         proxy = Proxy(cfg, client, metrics=ProxyMetrics(multiprocess_dir=multiprocess_dir))
-        _event_loop_runner()(_run(proxy.app(), cfg.host, port, started, reuse_port, parent_pid))
+        _event_loop_runner()(_run(proxy.app(), cfg, port, started, reuse_port, parent_pid, lambda: proxy.inflight))
     finally:
         if client is not None:
             client.close()
@@ -55,12 +55,14 @@ def _event_loop_runner() -> Callable[[Coroutine[Any, Any, None]], None]:
     return uvloop.run
 
 
-async def _run(app: web.Application, host: str, port: int, started: Callable[[int], None], reuse_port: bool,
-               parent_pid: int | None) -> None:
-    runner = web.AppRunner(app, access_log=None)
+async def _run(app: web.Application, cfg: ProxyConfig, port: int, started: Callable[[int], None], reuse_port: bool,
+               parent_pid: int | None, inflight: Callable[[], int]) -> None:
+    """Serve ``app`` until a signal (or the parent is gone), then drain: stop listening, give the
+    requests in flight ``cfg.drain_grace_s`` to finish, cut the rest, and clean up."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=cfg.drain_grace_s)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+        site = web.TCPSite(runner, cfg.host, port, reuse_port=reuse_port or None)
         await site.start()
         freeze_startup_heap()
         started(int(runner.addresses[0][1]) if runner.addresses else port)
@@ -72,8 +74,12 @@ async def _run(app: web.Application, host: str, port: int, started: Callable[[in
         await stop.wait()
         if watch is not None:
             watch.cancel()
+        logger.info("epd proxy: stopping; no new connections; requests in flight: %d, given up to %g s to finish",
+                    inflight(), cfg.drain_grace_s)
     finally:
-        await runner.cleanup()  # requests in flight get aiohttp's shutdown timeout to finish
+        # Stops listening, closes idle connections, waits up to the shutdown timeout for the
+        # handlers running, cancels those left (closing their backend requests), then on_cleanup.
+        await runner.cleanup()
 
 
 def freeze_startup_heap() -> None:

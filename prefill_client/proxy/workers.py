@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when a worker imports it
 WORKER_START_S = 300.0  # imports, the encoder client: the bound the test harness gives a whole proxy start
-WORKER_STOP_S = 75.0  # aiohttp gives requests in flight 60 s to finish on shutdown; then SIGKILL
+WORKER_STOP_MARGIN_S = 15.0  # a stopping worker's time past --drain-grace-s (its clean-up) before SIGKILL
 POLL_S = 0.5  # how often the parent looks at its workers while it waits
 
 
@@ -171,15 +171,17 @@ class Supervisor:
         return 1 if failed else 0
 
     def _stop(self) -> None:
-        """SIGTERM to the workers still running, then wait for them (SIGKILL past :data:`WORKER_STOP_S`)."""
+        """SIGTERM to the workers still running, then wait for them: each drains its requests in flight
+        for up to ``--drain-grace-s``; SIGKILL :data:`WORKER_STOP_MARGIN_S` past that."""
         self.stopping = True
         self._terminate()
-        deadline = time.monotonic() + WORKER_STOP_S
+        limit_s = self.cfg.drain_grace_s + WORKER_STOP_MARGIN_S
+        deadline = time.monotonic() + limit_s
         for worker in self._workers:
             if worker.pid is None:
                 continue
             worker.join(max(0.0, deadline - time.monotonic()))
             if worker.exitcode is None:
-                logger.error("epd proxy: %s did not stop within %.0f s; killing it", worker.name, WORKER_STOP_S)
+                logger.error("epd proxy: %s did not stop within %.0f s; killing it", worker.name, limit_s)
                 worker.kill()
                 worker.join(POLL_S * 10)

@@ -73,6 +73,11 @@ class FakeVllm:
     def release(self) -> None:
         self._open.set()
 
+    @property
+    def holding(self) -> bool:
+        """Whether chats are held (:meth:`hold` without :meth:`release` since)."""
+        return not self._open.is_set()
+
     def close(self) -> None:
         self._open.set()
         self._server.shutdown()

@@ -1,8 +1,9 @@
 """``epd proxy`` as a front door, real processes: a real ``epd encoder`` (mock transport) and a fake
 vLLM backend that can hold requests (tests/support/fake_vllm.py). API keys refuse a caller before any encoder is called, the
 in-flight bound answers 429 at once, ``/ready`` waits for an encoder started after the proxy,
-``mm_processor_kwargs`` with media is a 400, and ``/metrics`` counts exactly the requests sent,
-with ``--workers 2`` on one port (``--port 0``) too. No vLLM."""
+``mm_processor_kwargs`` with media is a 400, ``/metrics`` counts exactly the requests sent,
+with ``--workers 2`` on one port (``--port 0``) too, and SIGTERM stops the listening at once,
+lets a request in flight finish, and cuts one that outlasts ``--drain-grace-s``. No vLLM."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ KEY, FILE_KEY = "sk-flag", "sk-file"
 CHAT = "/v1/chat/completions"
 REQUEST_TIMEOUT_S = 60.0
 READY_WAIT_S = 30.0  # an encoder that is ready shows in /ready within a refresh and a cached answer
+DRAIN_WAIT_S = 30.0  # bound of each wait of the SIGTERM tests (each step takes well under a second)
 
 
 @dataclass
@@ -266,6 +268,71 @@ def test_workers_stop_when_their_parent_is_killed(tmp: Path, encoder: EncoderPro
             time.sleep(0.2)
     finally:
         front.server.stop()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_stops_listening_and_lets_the_requests_in_flight_finish(
+        tmp: Path, encoder: EncoderProcess, backend: FakeVllm, workers: int) -> None:
+    front = start_front(tmp, f"proxy-drain-{workers}", [encoder.target], backend, "--workers", str(workers))
+    answers: list[httpx.Response | Exception] = []
+    sender = threading.Thread(target=_post_into, args=(front, chat_body(SERVED, [], "held"), answers))
+    backend.hold()
+    try:
+        sender.start()
+        assert backend.arrived.wait(DRAIN_WAIT_S), front.server.log()[-3000:]
+        front.server.proc.send_signal(signal.SIGTERM)
+        _wait_not_listening(front)  # at once, with the held request still in flight
+        assert not answers and front.server.proc.poll() is None
+        backend.release()
+        sender.join(DRAIN_WAIT_S)
+        assert len(answers) == 1 and isinstance(answers[0], httpx.Response), answers
+        assert answers[0].status_code == 200, answers[0].text
+        assert answers[0].json()["choices"][0]["message"]["content"] == "ok"
+        assert front.server.proc.wait(DRAIN_WAIT_S) == 0, front.server.log()[-3000:]
+        assert "requests in flight: 1, given up to 20 s" in front.server.log()
+    finally:
+        backend.release()
+        sender.join(DRAIN_WAIT_S)
+        front.server.stop()
+
+
+def test_sigterm_cuts_what_outlasts_the_drain_grace(tmp: Path, encoder: EncoderProcess, backend: FakeVllm) -> None:
+    front = start_front(tmp, "proxy-drain-cut", [encoder.target], backend, "--workers", "2", "--drain-grace-s", "1")
+    answers: list[httpx.Response | Exception] = []
+    sender = threading.Thread(target=_post_into, args=(front, chat_body(SERVED, [], "held"), answers))
+    backend.hold()  # until the end of the test: longer than the grace
+    try:
+        sender.start()
+        assert backend.arrived.wait(DRAIN_WAIT_S), front.server.log()[-3000:]
+        front.server.proc.send_signal(signal.SIGTERM)
+        # Every worker exits (0) while the backend still holds the request: it was cut, not waited for.
+        assert front.server.proc.wait(DRAIN_WAIT_S) == 0, front.server.log()[-3000:]
+        sender.join(DRAIN_WAIT_S)
+        assert len(answers) == 1 and isinstance(answers[0], httpx.TransportError), answers
+        assert backend.holding  # still held: nothing but the grace ended it
+    finally:
+        backend.release()
+        sender.join(DRAIN_WAIT_S)
+        front.server.stop()
+
+
+def _post_into(front: Front, body: dict[str, Any], answers: list[httpx.Response | Exception]) -> None:
+    """:func:`_post` without a key (the proxy asks none) in a thread: its answer, or its error, into ``answers``."""
+    try:
+        answers.append(_post(front, body, None))
+    except Exception as exc:
+        answers.append(exc)
+
+
+def _wait_not_listening(front: Front) -> None:
+    deadline = time.monotonic() + DRAIN_WAIT_S
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", front.server.port), timeout=2.0).close()
+        except OSError:
+            return
+        assert time.monotonic() < deadline, "the proxy still listens after SIGTERM"
+        time.sleep(0.1)
 
 
 def _stop(front: Front) -> int:

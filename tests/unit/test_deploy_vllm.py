@@ -139,6 +139,15 @@ def test_proxy_probes_and_scrape(rendered: dh.Rendered) -> None:
     assert keep["regex"] == dh.template_labels(workload)["app.kubernetes.io/name"] == "epd-proxy"
 
 
+def test_proxy_grace_period_covers_the_pause_and_the_drain(rendered: dh.Rendered) -> None:
+    """Deleted, the proxy serves on through its preStop pause, then drains: the pod's grace covers both."""
+    workload, ctr, env = _workload(rendered, "Deployment", "epd-proxy", "proxy")
+    pre_stop = ctr["lifecycle"]["preStop"]["sleep"]["seconds"]
+    drain = build(ProxyConfig, None, env.values).drain_grace_s
+    grace = dh.pod_spec(workload)["terminationGracePeriodSeconds"]
+    assert pre_stop > 0 and grace > pre_stop + drain, f"grace {grace}s must exceed preStop {pre_stop}s + drain {drain}s"
+
+
 def test_env_names_are_settings_the_code_knows(rendered: dh.Rendered) -> None:
     known = {"vllm": {i.env for i in iter_settings(PrefillConfig)}, "proxy": {i.env for i in iter_settings(ProxyConfig)}}
     for name, ctr_name in (("epd-vllm", "vllm"), ("epd-proxy", "proxy")):

@@ -13,6 +13,7 @@ CASE = """
 import asyncio, gc, json, os, signal
 from aiohttp import web
 import prefill_client.proxy.app  # the libraries a proxy process imports
+from common.config import ProxyConfig
 from prefill_client.proxy.serve import _run
 
 seen = {}
@@ -21,7 +22,7 @@ def started(port):
     # _run stops on a signal, once its handlers are in (right after this call returns)
     asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGTERM)
 before = gc.get_freeze_count()
-asyncio.run(_run(web.Application(), "127.0.0.1", 0, started, False, None))
+asyncio.run(_run(web.Application(), ProxyConfig(port=0), 0, started, False, None, lambda: 0))
 print(json.dumps({"before": before, **seen}))
 """
 
