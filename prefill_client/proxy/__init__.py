@@ -26,7 +26,8 @@ one is unreachable: :mod:`.routing`) and its answer comes back as it is, streame
 The model id sent in the encoder handshake is ``--model-id`` when given; else the request's
 ``model``, else the one model the backends' ``/v1/models`` lists (asked once): one
 ``EncoderCacheClient`` per model id, made on first use, at most ``MAX_MODELS`` at once.
-A request without media needs no encoder, and no model id.
+A request without media needs no encoder, and no model id; nor does a text completion
+(``/v1/completions``), which goes on as the caller wrote it.
 
 Errors: bad media or a bad ``model`` 400 (naming the part or the model), cache full 429 with
 ``Retry-After``, no encoder reachable 503, the encoders refuse the model id 502 (naming both

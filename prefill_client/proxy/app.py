@@ -3,7 +3,8 @@
 ``POST /v1/chat/completions`` reads the request's media (:mod:`.media`), places them on the
 encoders in one ``Encode`` per encoder with the model id's client (:mod:`.clients`), rewrites
 the request (:mod:`.rewrite`) and forwards it to a backend (:mod:`.backends`), relaying its
-answer as it comes; ``GET /v1/models`` is forwarded. Every such request first passes the front
+answer as it comes. ``POST /v1/completions`` (text prompts: nothing to encode) goes on as the
+caller wrote it, routed and relayed the same way; ``GET /v1/models`` is forwarded. Every such request first passes the front
 door (:mod:`.front`: its API key, the in-flight bound), before its body is read.
 ``GET /health`` (liveness), ``GET /ready`` (:mod:`.readiness`) and ``GET /metrics`` are the
 proxy's own, and open. Errors are answers (:mod:`.errors`).
@@ -27,7 +28,14 @@ from common.errors import EncoderCallError, EpdError
 from common.metrics import ProxyMetrics
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.handoff import Placement
-from prefill_client.proxy.backends import CHAT_PATH, Backends, error_message, passed_headers, relayed_response
+from prefill_client.proxy.backends import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    Backends,
+    error_message,
+    passed_headers,
+    relayed_response,
+)
 from prefill_client.proxy.clients import Clients, new_client
 from prefill_client.proxy.disagg import Disaggregated
 from prefill_client.proxy.errors import ENCODE_FAILURES, FIXED_MODEL_SOURCE, UNAVAILABLE, HttpError, encode_rule
@@ -85,6 +93,7 @@ class Proxy:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self._front.middleware])
         app.router.add_post(CHAT_PATH, self.chat, expect_handler=self._front.expect)
+        app.router.add_post(COMPLETIONS_PATH, self.completions, expect_handler=self._front.expect)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
@@ -146,12 +155,7 @@ class Proxy:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise HttpError(400, f"request body is not JSON: {exc}") from exc
-            except web.HTTPRequestEntityTooLarge as exc:
-                raise HttpError(413, f"request body over {self.cfg.max_request_bytes} bytes") from exc
+            body = await self._json_body(request)
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise HttpError(400, "request body must be an object with a 'messages' list")
             media_items = count_media_parts(body["messages"])
@@ -161,7 +165,7 @@ class Proxy:
             parts = await self._media.parts(body["messages"], video_fps(body), self.session, cache_salt(body))
             if not parts:  # nothing to encode: no encoder, no model id
                 if self._disagg is not None:  # prefill on one vLLM, decode on another
-                    return await self._disagg.chat(body, request)
+                    return await self._disagg.serve(body, request)
                 # Nothing rewritten: the caller's own bytes go on, not a second serialisation of them.
                 return await self._forward("POST", CHAT_PATH, body, request, raw=await request.read())
             model, source = await self._model_id(body, request)
@@ -170,10 +174,31 @@ class Proxy:
                 self._front.placed(placements)
                 rewrite(body, parts, placements, client)
                 if self._disagg is not None:
-                    return await self._disagg.chat(body, request, client, placements)
+                    return await self._disagg.serve(body, request, client, placements)
                 return await self._forward("POST", CHAT_PATH, body, request, client, placements)
         except HttpError as exc:
             return self._front.refusal(exc)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """A text completion: no media (the completions API takes none), so no encoder; the caller's
+        bytes go on unchanged, to the backend its prompt's start hashes to (or prefilled and decoded)."""
+        try:
+            body = await self._json_body(request)
+            if not isinstance(body, dict) or "prompt" not in body:
+                raise HttpError(400, "request body must be an object with a 'prompt'")
+            if self._disagg is not None:
+                return await self._disagg.serve(body, request, path=COMPLETIONS_PATH)
+            return await self._forward("POST", COMPLETIONS_PATH, body, request, raw=await request.read())
+        except HttpError as exc:
+            return self._front.refusal(exc)
+
+    async def _json_body(self, request: web.Request) -> Any:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise HttpError(400, f"request body is not JSON: {exc}") from exc
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise HttpError(413, f"request body over {self.cfg.max_request_bytes} bytes") from exc
 
     # --- model id ----------------------------------------------------------------------------
 

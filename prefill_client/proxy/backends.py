@@ -34,6 +34,7 @@ DEFAULT_RETRY_S = 5.0
 DEFAULT_REFRESH_S = 2.0
 _PASSED_HEADERS = ("authorization", "x-request-id", "accept")
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"  # text prompts only: passed on as the caller wrote them
 # A backend's headers that describe its own connection and framing, not the answer: never relayed.
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 _URL_SCHEMES = ("http://", "https://")

@@ -1,7 +1,8 @@
 """Prefill on one vLLM, decode on another: the proxy's E + P + D flow (proxy process).
 
 With ``--prefill`` and ``--decode``, a chat request whose media were placed and rewritten as
-for one backend (:mod:`.app`, :mod:`.rewrite`) goes on in two steps:
+for one backend (:mod:`.app`, :mod:`.rewrite`), or a text completion (``/v1/completions``, to
+the same route of each member), goes on in two steps:
 
 1. **Prefill**: to a vLLM of ``--prefill`` (EpdCacheConnector as ``ec_consumer`` and a KV
    connector as ``kv_producer``), with ``max_tokens`` 1 (and ``max_completion_tokens`` 1 when
@@ -88,7 +89,7 @@ def decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]) 
 
 
 def kv_params(text: str) -> dict[str, Any] | None:
-    """The ``kv_transfer_params`` object of a prefill's chat answer, or None."""
+    """The ``kv_transfer_params`` object of a prefill's answer (chat or completion), or None."""
     try:
         data = json.loads(text)
     except ValueError:
@@ -119,14 +120,15 @@ class Disaggregated:
     def _timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.cfg.backend_timeout_s, sock_connect=self.cfg.backend_connect_timeout_s)
 
-    async def chat(self, body: dict[str, Any], request: web.Request, client: EncoderCacheClient | None = None,
-                   placements: Sequence[Placement] = ()) -> web.StreamResponse:
-        """Prefill ``body`` (rewritten; ``client`` placed its ``placements``), then decode it and relay the answer."""
+    async def serve(self, body: dict[str, Any], request: web.Request, client: EncoderCacheClient | None = None,
+                   placements: Sequence[Placement] = (), *, path: str = CHAT_PATH) -> web.StreamResponse:
+        """Prefill ``body`` (rewritten; ``client`` placed its ``placements``), then decode it and relay the
+        answer; ``path``: the route both steps go to (a chat, or a text completion)."""
         headers = passed_headers(request.headers)
         key = affinity_key(body)
         try:
             refuse_unsplittable(body)
-            prefilled = await self._prefill(body, headers, key, client, placements)
+            prefilled = await self._prefill(path, body, headers, key, client, placements)
         except BaseException:
             if client is not None:
                 client.release_placed(placements)  # no prefill pulls them now
@@ -135,18 +137,18 @@ class Disaggregated:
             if client is not None:
                 client.release_placed(placements)
             return prefilled
-        return await self._decode(decode_body(body, prefilled), headers, key, request)
+        return await self._decode(path, decode_body(body, prefilled), headers, key, request)
 
     # --- prefill -------------------------------------------------------------------------------
 
-    async def _prefill(self, body: dict[str, Any], headers: Mapping[str, str], key: str,
+    async def _prefill(self, path: str, body: dict[str, Any], headers: Mapping[str, str], key: str,
                        client: EncoderCacheClient | None,
                        placements: Sequence[Placement]) -> dict[str, Any] | web.Response:
         """The prefill's ``kv_transfer_params``; its answer itself when it refused the request (4xx)."""
         errors: list[str] = []
         for base in self.prefill.order(lambda: key):
             with self.prefill.sending(base):
-                resp = await self._send(self.prefill, "prefill", base, prefill_body(body), headers, errors)
+                resp = await self._send(self.prefill, "prefill", base, path, prefill_body(body), headers, errors)
                 if resp is None:
                     continue
                 async with resp:
@@ -171,12 +173,12 @@ class Disaggregated:
 
     # --- decode --------------------------------------------------------------------------------
 
-    async def _decode(self, body: dict[str, Any], headers: Mapping[str, str], key: str,
+    async def _decode(self, path: str, body: dict[str, Any], headers: Mapping[str, str], key: str,
                       request: web.Request) -> web.StreamResponse:
         errors: list[str] = []
         for base in self.decode.order(lambda: key):
             with self.decode.sending(base):  # outstanding until its answer is relayed
-                resp = await self._send(self.decode, "decode", base, body, headers, errors)
+                resp = await self._send(self.decode, "decode", base, path, body, headers, errors)
                 if resp is None:
                     continue
                 async with resp:
@@ -209,12 +211,12 @@ class Disaggregated:
 
     # --- one call ------------------------------------------------------------------------------
 
-    async def _send(self, pool: Backends, role: str, base: str, body: dict[str, Any], headers: Mapping[str, str],
-                    errors: list[str]) -> aiohttp.ClientResponse | None:
-        """POST ``body`` to ``base``: its response (headers read), or None when it was not reached
-        (marked down, the reason added to ``errors``)."""
+    async def _send(self, pool: Backends, role: str, base: str, path: str, body: dict[str, Any],
+                    headers: Mapping[str, str], errors: list[str]) -> aiohttp.ClientResponse | None:
+        """POST ``body`` to ``base`` + ``path``: its response (headers read), or None when it was not
+        reached (marked down, the reason added to ``errors``)."""
         try:
-            resp = await self._session().post(base + CHAT_PATH, json=body, headers=headers, timeout=self._timeout())
+            resp = await self._session().post(base + path, json=body, headers=headers, timeout=self._timeout())
         except NOT_REACHED as exc:
             why = str(exc) or type(exc).__name__
             errors.append(f"{base}: {why}")

@@ -10,7 +10,7 @@ proxy keeps no shared state, and each of several proxy processes balances its ow
 - :class:`LeastOutstanding`: the backend with the fewest requests in flight (ties in turn).
 - :class:`BoundedAffinity` (the default): consistent hashing with bounded loads. A request's
   key (:func:`affinity_key`: the conversation's leading messages, which vLLM's prefix cache
-  keys on and every later turn sends again) ranks the backends by rendezvous hashing; the
+  keys on and every later turn sends again; a completion's prompt start) ranks the backends by rendezvous hashing; the
   request goes to the first backend in that rank whose outstanding requests, this one
   included, stay within ``ceil(c x (all outstanding + 1) / backends)``. So a conversation, or
   a repeated image with the same text, keeps its backend and that backend's prefix cache
@@ -33,6 +33,11 @@ from typing import Any, Protocol
 from common.config.choices import RoutingPolicy
 from common.errors import ConfigError
 from prefill_client.consumer.routing import rendezvous_order
+
+# How much of a completion's prompt its key reads: a few of vLLM's KV blocks (16 tokens on GPUs),
+# past which prompts that share their start (a preamble, earlier turns) are one key.
+PROMPT_KEY_CHARS = 1024
+PROMPT_KEY_TOKENS = 256
 
 
 class Policy(Protocol):
@@ -105,23 +110,43 @@ def make_policy(kind: RoutingPolicy, load_factor: float) -> Policy:
 
 
 def affinity_key(body: Mapping[str, Any] | None) -> str:
-    """A digest of what vLLM's prefix cache sees first of a chat request, or "" when it has no messages.
+    """A digest of what vLLM's prefix cache sees first of a request, or "" when it has no messages
+    (a chat) and no prompt (a text completion).
 
-    The leading messages up to and including the first user message (the system prompt, the
-    opening question), with ``model`` and ``cache_salt``: every later turn of the conversation
-    sends them again, so each turn gets the same key. Text counts as itself; a media part by
-    its ``uuid`` (the ``mm_hash`` the proxy writes there after placing it, the identity vLLM's
-    prefix cache uses), any other part by its whole content.
+    A chat: its leading messages up to and including the first user message (the system
+    prompt, the opening question), with ``model`` and ``cache_salt``: every later turn of the
+    conversation sends them again, so each turn gets the same key. Text counts as itself; a
+    media part by its ``uuid`` (the ``mm_hash`` the proxy writes there after placing it, the
+    identity vLLM's prefix cache uses), any other part by its whole content. A completion: the
+    start of its prompt (of the first one of a list), :data:`PROMPT_KEY_CHARS` characters or
+    :data:`PROMPT_KEY_TOKENS` token ids, with ``model`` and ``cache_salt``: a prompt that grows
+    turn by turn, or shares a long preamble, keeps its backend.
     """
-    if body is None or not isinstance(body.get("messages"), list) or not body["messages"]:
+    if body is None:
         return ""
-    lead: list[Any] = []
-    for message in body["messages"]:
-        lead.append(_message_key(message))
-        if isinstance(message, dict) and message.get("role") == "user":
-            break
+    if isinstance(body.get("messages"), list) and body["messages"]:
+        lead: list[Any] = []
+        for message in body["messages"]:
+            lead.append(_message_key(message))
+            if isinstance(message, dict) and message.get("role") == "user":
+                break
+    else:
+        lead = _prompt_key(body.get("prompt"))
+        if not lead:
+            return ""
     text = json.dumps([body.get("model"), body.get("cache_salt"), lead], sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _prompt_key(prompt: Any) -> list[Any]:
+    """The start of a completion's prompt: a string, token ids, or a list of either (its first)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return ["text", prompt[:PROMPT_KEY_CHARS]]
+    if isinstance(prompt, list) and prompt:
+        return ["tokens", prompt[:PROMPT_KEY_TOKENS]]
+    return []
 
 
 def _message_key(message: Any) -> Any:

@@ -200,6 +200,18 @@ def test_streaming_through_proxy(stack: Stack) -> None:
     assert tokens == [t["token"] for t in want]
 
 
+def test_text_completions_through_proxy_equal_plain_vllm(stack: Stack) -> None:
+    body = {"model": MODEL, "prompt": "The quick brown fox jumps over", "max_tokens": 8, "ignore_eos": True,
+            "temperature": 0, "logprobs": 1, "return_token_ids": True}
+    got, want = (httpx.post(url + "/v1/completions", json=body, timeout=120.0)
+                 for url in (stack.proxy.url, stack.baseline.url))
+    assert got.status_code == 200 and want.status_code == 200, got.text + want.text
+    g, w = got.json()["choices"][0], want.json()["choices"][0]
+    assert len(w["token_ids"]) == 8 and g["token_ids"] == w["token_ids"] and g["text"] == w["text"]
+    worst = max(abs(a - b) for a, b in zip(g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"]))
+    assert worst <= LOGPROB_ATOL, f"logprobs differ by {worst}"
+
+
 def test_models_and_health(stack: Stack) -> None:
     models = httpx.get(stack.proxy.url + "/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [MODEL]

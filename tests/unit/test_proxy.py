@@ -108,8 +108,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 async def _run(client: FakeClient, backend: Handler | None, body: Any, *, raw: bytes | None = None,
-               cfg: dict[str, Any] | None = None, stream: bool = False) -> tuple[int, dict[str, str], Any, list[Any]]:
-    """POST ``body`` to a proxy in front of ``backend``; (status, headers, answer, bodies the backend got)."""
+               cfg: dict[str, Any] | None = None, stream: bool = False,
+               path: str = "/v1/chat/completions") -> tuple[int, dict[str, str], Any, list[Any]]:
+    """POST ``body`` to ``path`` of a proxy in front of ``backend``; (status, headers, answer, bodies the
+    backend got, on either route)."""
     seen: list[Any] = []
     backend_app = web.Application()
 
@@ -119,13 +121,14 @@ async def _run(client: FakeClient, backend: Handler | None, body: Any, *, raw: b
         return await backend(request)
 
     backend_app.router.add_post("/v1/chat/completions", record)
+    backend_app.router.add_post("/v1/completions", record)
     backend_server = TestServer(backend_app, host="127.0.0.1")
     await backend_server.start_server()
     url = str(backend_server.make_url("")).rstrip("/") if backend is not None else "http://127.0.0.1:9"
     proxy = Proxy(ProxyConfig(backends=(url,), **(cfg or {})), client)  # type: ignore[arg-type]
     async with TestClient(TestServer(proxy.app(), host="127.0.0.1")) as http:
         kwargs: dict[str, Any] = {"data": raw} if raw is not None else {"json": body}
-        resp = await http.post("/v1/chat/completions", **kwargs)
+        resp = await http.post(path, **kwargs)
         if stream:
             answer: Any = [chunk async for chunk in resp.content.iter_any()]
         else:
@@ -574,3 +577,50 @@ def test_a_request_without_media_goes_on_as_the_caller_wrote_it() -> None:
     status, _, _, seen = asyncio.run(_run(FakeClient(), backend, None, raw=raw))
     assert status == 200 and got == [(raw, "application/json")]
     assert seen[0]["messages"][0]["content"] == "héllo  é"
+
+
+def test_text_completions_go_on_as_the_caller_wrote_them() -> None:
+    raw = '{"prompt": "Once upon  a time \u00e9",   "model":"m", "max_tokens": 2}'.encode()
+    got: list[tuple[str, bytes]] = []
+
+    async def backend(request: web.Request) -> web.Response:
+        got.append((request.path, await request.read()))
+        return web.json_response({"choices": [{"text": " there", "index": 0}]})
+
+    client = FakeClient()
+    status, _, answer, _ = asyncio.run(_run(client, backend, None, raw=raw, path="/v1/completions"))
+    assert status == 200 and answer["choices"][0]["text"] == " there"
+    assert got == [("/v1/completions", raw)] and not client.placed
+
+
+def sse_backend(*events: dict[str, Any]) -> Handler:
+    """A backend that streams ``events`` as server-sent events, then ``data: [DONE]``."""
+    async def stream(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for event in events:
+            await out.write(f"data: {json.dumps(event)}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    return stream
+
+
+def test_text_completion_streams_are_relayed_as_they_come() -> None:
+    backend = sse_backend(*({"choices": [{"text": text}]} for text in ("a", "b")))
+    status, headers, chunks, _ = asyncio.run(_run(FakeClient(), backend, {"prompt": "x", "stream": True},
+                                                  path="/v1/completions", stream=True))
+    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    assert b"".join(chunks).endswith(b"data: [DONE]\n\n") and b'"text": "b"' in b"".join(chunks)
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b'{"prompt": "x"', "request body is not JSON"),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', "with a 'prompt'"),
+    (b'["x"]', "with a 'prompt'"),
+])
+def test_bad_text_completions_are_400_and_reach_no_backend(raw: bytes, words: str) -> None:
+    status, _, answer, seen = asyncio.run(_run(FakeClient(), _ok, None, raw=raw, path="/v1/completions"))
+    assert status == 400 and words in answer["error"]["message"], answer
+    assert not seen

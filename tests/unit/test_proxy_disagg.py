@@ -17,7 +17,7 @@ from common.errors import ConfigError
 from prefill_client.proxy.app import Proxy
 from prefill_client.proxy.disagg import decode_body, kv_params, prefill_body
 from prefill_client.proxy.readiness import Readiness, Side
-from tests.unit.test_proxy import FakeClient, _chat, _data_url, _image
+from tests.unit.test_proxy import FakeClient, _chat, _data_url, _image, sse_backend
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 KV = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1",
@@ -34,9 +34,10 @@ async def _decoded(request: web.Request) -> web.StreamResponse:
 
 
 async def _run(client: FakeClient, prefill: Sequence[Handler | None], decode: Sequence[Handler | None], body: Any, *,
-               stream: bool = False) -> tuple[int, Any, list[list[Any]], list[list[Any]]]:
-    """POST ``body`` to a proxy over the fake pools (None: a member nobody listens for); (status,
-    answer, bodies each prefill got, bodies each decode got)."""
+               stream: bool = False, path: str = "/v1/chat/completions"
+               ) -> tuple[int, Any, list[list[Any]], list[list[Any]]]:
+    """POST ``body`` to ``path`` of a proxy over the fake pools (None: a member nobody listens for);
+    (status, answer, bodies each prefill got, bodies each decode got: on ``path`` only)."""
     servers: list[TestServer] = []
 
     async def pool(handlers: Sequence[Handler | None]) -> tuple[list[str], list[list[Any]]]:
@@ -54,7 +55,7 @@ async def _run(client: FakeClient, prefill: Sequence[Handler | None], decode: Se
                 return await handler(request)
 
             app = web.Application()
-            app.router.add_post("/v1/chat/completions", record)
+            app.router.add_post(path, record)
             server = TestServer(app, host="127.0.0.1")
             await server.start_server()
             servers.append(server)
@@ -66,7 +67,7 @@ async def _run(client: FakeClient, prefill: Sequence[Handler | None], decode: Se
     cfg = ProxyConfig(prefill=tuple(prefill_urls), decode=tuple(decode_urls), routing="round-robin")
     proxy = Proxy(cfg, client)  # type: ignore[arg-type]
     async with TestClient(TestServer(proxy.app(), host="127.0.0.1")) as http:
-        resp = await http.post("/v1/chat/completions", json=body)
+        resp = await http.post(path, json=body)
         if stream:
             answer: Any = b"".join([chunk async for chunk in resp.content.iter_any()])
         else:
@@ -104,16 +105,18 @@ def test_text_only_requests_are_split_too() -> None:
     assert decoded[0]["kv_transfer_params"] == KV
 
 
-def test_streams_from_the_decode_are_relayed() -> None:
-    async def stream(request: web.Request) -> web.StreamResponse:
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
-        for word in ("a", "b"):
-            await out.write(f"data: {json.dumps({'choices': [{'delta': {'content': word}}]})}\n\n".encode())
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
-        return out
+def test_text_completions_are_split_on_their_own_route() -> None:
+    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 5}
+    status, answer, (prefilled,), (decoded,) = asyncio.run(
+        _run(FakeClient(), [_prefilled], [_decoded], body, path="/v1/completions"))
+    assert status == 200 and answer["choices"][0]["message"]["content"] == "decoded"
+    (pre,), (dec,) = prefilled, decoded
+    assert pre == {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    assert dec == {**body, "kv_transfer_params": KV}
 
+
+def test_streams_from_the_decode_are_relayed() -> None:
+    stream = sse_backend(*({"choices": [{"delta": {"content": word}}]} for word in ("a", "b")))
     status, answer, (prefilled,), _ = asyncio.run(
         _run(FakeClient(), [_prefilled], [stream], {**_chat(), "stream": True}, stream=True))
     assert status == 200 and answer.count(b"data: ") == 3 and answer.endswith(b"data: [DONE]\n\n")

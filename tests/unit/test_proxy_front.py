@@ -39,6 +39,7 @@ from prefill_client.proxy.readiness import EncoderWatch, Readiness, Side
 from prefill_client.proxy.workers import reserve_port
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 KEY = "sk-right"
 
 
@@ -121,6 +122,7 @@ class Backend:
             return web.Response(status=self.health_status)
 
         app.router.add_post(CHAT, chat)
+        app.router.add_post(COMPLETIONS, chat)
         app.router.add_get("/v1/models", models)
         app.router.add_get("/health", health_)
         return app
@@ -231,6 +233,7 @@ def test_a_request_without_a_valid_key_is_401_before_its_body_is_read() -> None:
                 resp = await front.http.post(CHAT, json=_chat(_image()), headers=headers)
                 assert resp.status == 401
                 assert (await front.http.get("/v1/models", headers=headers)).status == 401
+                assert (await front.http.post(COMPLETIONS, json={"prompt": "x"}, headers=headers)).status == 401
             assert front.client.placed == [] and front.backend.chats == []
             for path in ("/health", "/ready", "/metrics"):  # probes and scrapes need no key
                 assert (await front.http.get(path)).status == 200, path
@@ -238,10 +241,14 @@ def test_a_request_without_a_valid_key_is_401_before_its_body_is_read() -> None:
             assert resp.status == 200 and len(front.client.placed) == 1
             assert front.backend.auth == [f"Bearer {KEY}"]  # the caller's header goes on: vLLM checks it too
             assert (await front.http.get("/v1/models", headers=_auth())).status == 200
+            assert (await front.http.post(COMPLETIONS, json={"prompt": "x"}, headers=_auth())).status == 200
+            assert front.backend.chats[-1] == {"prompt": "x"} and front.backend.auth[-1] == f"Bearer {KEY}"
             metrics = front.metrics()
-            assert metrics[_key("epd_proxy_rejections_total", {"reason": "auth"})] == 9
+            assert metrics[_key("epd_proxy_rejections_total", {"reason": "auth"})] == 12
             assert metrics[_key("epd_proxy_requests_total", {"route": CHAT, "code": "401"})] == 6
             assert metrics[_key("epd_proxy_requests_total", {"route": "/v1/models", "code": "401"})] == 3
+            assert metrics[_key("epd_proxy_requests_total", {"route": COMPLETIONS, "code": "401"})] == 3
+            assert metrics[_key("epd_proxy_requests_total", {"route": COMPLETIONS, "code": "200"})] == 1
     _run(test)
 
 

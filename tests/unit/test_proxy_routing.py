@@ -21,6 +21,8 @@ from common.errors import ConfigError
 from prefill_client.proxy.app import Proxy
 from prefill_client.proxy.backends import Backends, resolve_backends
 from prefill_client.proxy.routing import (
+    PROMPT_KEY_CHARS,
+    PROMPT_KEY_TOKENS,
     BoundedAffinity,
     LeastOutstanding,
     RoundRobin,
@@ -192,9 +194,25 @@ def test_the_key_is_the_leading_content() -> None:
         {"messages": [{"role": "user", "content": "hello!"}]})
 
 
-@pytest.mark.parametrize("body", [None, {}, {"messages": []}, {"messages": "x"}])
-def test_requests_without_messages_have_no_key(body: Any) -> None:
+@pytest.mark.parametrize("body", [None, {}, {"messages": []}, {"messages": "x"}, {"prompt": ""}, {"prompt": []},
+                                  {"prompt": None}])
+def test_requests_without_messages_or_prompt_have_no_key(body: Any) -> None:
     assert affinity_key(body) == ""
+
+
+def test_a_completion_is_keyed_by_the_start_of_its_prompt() -> None:
+    preamble = "You are a careful assistant. " * 40  # over PROMPT_KEY_CHARS
+    assert len(preamble) > PROMPT_KEY_CHARS
+    base = affinity_key({"model": "m", "prompt": preamble + "First question?"})
+    # What follows the start does not move it: a longer prompt, the next turn, a batch led by it.
+    assert affinity_key({"model": "m", "prompt": preamble + "Second question? And a third."}) == base
+    assert affinity_key({"model": "m", "prompt": [preamble + "x", "another prompt"]}) == base
+    others = [{"model": "m", "prompt": "Another start. " + preamble}, {"model": "n", "prompt": preamble},
+              {"model": "m", "prompt": preamble, "cache_salt": "s"}]
+    assert len({base, *(affinity_key(body) for body in others)}) == 4
+    ids = list(range(PROMPT_KEY_TOKENS + 10))
+    assert affinity_key({"prompt": ids}) == affinity_key({"prompt": ids[:PROMPT_KEY_TOKENS] + [7, 7]})
+    assert affinity_key({"prompt": ids}) == affinity_key({"prompt": [ids]}) != affinity_key({"prompt": [1] + ids})
 
 
 # --- backends marked down ------------------------------------------------------------------------
