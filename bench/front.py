@@ -36,7 +36,10 @@ two sides alternate in ``--rounds`` (A B, then B A, ...), so a slow moment of th
 - ``e`` one request at a time through the proxy: an image the encoder holds against a text-only
   request of the same prompt length in tokens (the text padded): the TTFT p50 an image adds, and
   where each kind's time goes (``breakdown_mean_ms``, from the proxy's, vLLM's and the
-  connector's own /metrics read around each request: :class:`Breakdown`);
+  connector's own /metrics read around each request: :class:`Breakdown`). After each pair, the
+  same image again with other text (``image_in_vllm``): vLLM's encoder cache holds its rows
+  then, so nothing is pulled (the prompt, under one 128-token block, hits no prefix cache):
+  what the image adds with the pull out of the way;
 - ``v`` vLLM's own benchmark client, ``vllm bench serve --backend openai-chat``, instead of the
   ``openai`` one (``bench/front_vllm_bench.py``): random text prompts at the highest
   ``--text-concurrency`` through the proxy, the relay and straight to ``A``, and random new images
@@ -93,6 +96,7 @@ from prefill_client.consumer.connection import MediaSpec  # noqa: E402
 
 FILLER = "Tell me a short story about a quiet harbour town at dawn, with boats and gulls. "
 IMAGE_TEXT = "describe the picture"
+IMAGE_TEXT_AGAIN = "explain the picture."  # phase e: the repeat of an image, other text of as many tokens
 QUESTIONS = ("what colours dominate?", "is there any text in it?", "describe the top left corner.",
              "what would you title it?", "anything unusual?", "thanks, one last detail?")
 # Each later turn adds about this many tokens (the question padded, byte-level tokenizer): more than one
@@ -115,9 +119,9 @@ TARGETS = {  # name: (figure, bound, at most?)
 }
 
 
-def image_message(url: str) -> list[dict[str, Any]]:
+def image_message(url: str, text: str = IMAGE_TEXT) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": IMAGE_TEXT}]}]
+                                         {"type": "text", "text": text}]}]
 
 
 def text_message(tag: str, chars: int | None = None) -> list[dict[str, Any]]:
@@ -303,6 +307,8 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
     overhead = calibration.samples[0].prompt_tokens - 200
     images: list[Any] = []
     texts: list[Any] = []
+    repeats: list[Any] = []
+    again_tokens = 0
     mismatches = 0
     parts = Breakdown(stack)
     ticks = side.proxy_ticks()
@@ -314,20 +320,28 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
             tokens = image.samples[0].prompt_tokens
             text = await parts.measure("text_same_length", measure_set(
                 side, [text_message(f"e-{i}", tokens - overhead)], 1, args.max_tokens))
-            if not text.samples:
+            # The same image again: vLLM's own encoder cache has its rows now, so nothing is pulled.
+            again = await parts.measure("image_in_vllm", measure_set(
+                side, [image_message(url, IMAGE_TEXT_AGAIN)], 1, args.max_tokens))
+            if not text.samples or not again.samples:
                 continue
             mismatches += text.samples[0].prompt_tokens != tokens
+            again_tokens = again.samples[0].prompt_tokens
             images += image.samples
             texts += text.samples
+            repeats += again.samples
     finally:
         parts.close()
     cpu = cpu_ms(side.proxy_ticks() - ticks)
     got = {"image_cached": summary([s.ttft_ms for s in images]), "text_same_length": summary([s.ttft_ms for s in texts]),
+           "image_in_vllm": summary([s.ttft_ms for s in repeats]), "image_in_vllm_prompt_tokens": again_tokens,
            "prompt_tokens": images[0].prompt_tokens if images else None, "prompt_token_mismatches": mismatches,
            "proxy_cpu_ms_per_request": round(cpu / max(1, len(images) + len(texts)), 2),
            "breakdown_mean_ms": parts.means()}
     out["cached_image_vs_text"] = got
     out["cached_image_added_ttft_p50_ms"] = round(got["image_cached"]["p50"] - got["text_same_length"]["p50"], 2)
+    # What the image would add if its rows were on vLLM's worker before its scheduler asked (no pull).
+    out["image_in_vllm_added_ttft_p50_ms"] = round(got["image_in_vllm"]["p50"] - got["text_same_length"]["p50"], 2)
     out["proxy_cpu_ms_per_request"]["cached_image_vs_text"] = got["proxy_cpu_ms_per_request"]
 
 
