@@ -4,8 +4,9 @@
 encoders in one ``Encode`` per encoder with the model id's client (:mod:`.clients`), rewrites
 the request (:mod:`.rewrite`) and forwards it to a backend (:mod:`.backends`), relaying its
 answer as it comes. ``POST /v1/completions`` (text prompts: nothing to encode) goes on as the
-caller wrote it, routed and relayed the same way; ``GET /v1/models`` is forwarded. Every such request first passes the front
-door (:mod:`.front`: its API key, the in-flight bound), before its body is read.
+caller wrote it, routed and relayed the same way; ``GET /v1/models`` is forwarded. Every such
+request first passes the front door (:mod:`.front`: its API key, the in-flight bound), before
+its body is read.
 ``GET /health`` (liveness), ``GET /ready`` (:mod:`.readiness`) and ``GET /metrics`` are the
 proxy's own, and open. Errors are answers (:mod:`.errors`).
 """
