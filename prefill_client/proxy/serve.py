@@ -18,6 +18,9 @@ from common.metrics import ProxyMetrics
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 1.0  # how often a worker checks that its parent is still there
+ACCESS_LOGGER = "aiohttp.access"
+# --access-log: address, request line, status, bytes sent, seconds taken, user agent (no key, no body).
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf "%{User-Agent}i"'
 
 
 def serve(cfg: ProxyConfig, port: int, started: Callable[[int], None], *, reuse_port: bool = False,
@@ -59,7 +62,8 @@ async def _run(app: web.Application, cfg: ProxyConfig, port: int, started: Calla
                parent_pid: int | None, inflight: Callable[[], int]) -> None:
     """Serve ``app`` until a signal (or the parent is gone), then drain: stop listening, give the
     requests in flight ``cfg.drain_grace_s`` to finish, cut the rest, and clean up."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=cfg.drain_grace_s)
+    runner = web.AppRunner(app, access_log=logging.getLogger(ACCESS_LOGGER) if cfg.access_log else None,
+                           access_log_format=ACCESS_LOG_FORMAT, shutdown_timeout=cfg.drain_grace_s)
     await runner.setup()
     try:
         site = web.TCPSite(runner, cfg.host, port, reuse_port=reuse_port or None)

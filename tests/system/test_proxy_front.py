@@ -3,7 +3,8 @@ vLLM backend that can hold requests (tests/support/fake_vllm.py). API keys refus
 in-flight bound answers 429 at once, ``/ready`` waits for an encoder started after the proxy,
 ``mm_processor_kwargs`` with media is a 400, ``/metrics`` counts exactly the requests sent,
 with ``--workers 2`` on one port (``--port 0``) too, and SIGTERM stops the listening at once,
-lets a request in flight finish, and cuts one that outlasts ``--drain-grace-s``. No vLLM."""
+lets a request in flight finish, and cuts one that outlasts ``--drain-grace-s``; ``--access-log``
+writes a line per request, without the key. No vLLM."""
 
 from __future__ import annotations
 
@@ -290,10 +291,24 @@ def test_sigterm_stops_listening_and_lets_the_requests_in_flight_finish(
         assert answers[0].json()["choices"][0]["message"]["content"] == "ok"
         assert front.server.proc.wait(DRAIN_WAIT_S) == 0, front.server.log()[-3000:]
         assert "requests in flight: 1, given up to 20 s" in front.server.log()
+        assert '"POST /v1/chat/completions' not in front.server.log()  # no access log unless asked
     finally:
         backend.release()
         sender.join(DRAIN_WAIT_S)
         front.server.stop()
+
+
+def test_the_access_log_has_a_line_per_request_and_no_key(tmp: Path, encoder: EncoderProcess,
+                                                         backend: FakeVllm) -> None:
+    front = start_front(tmp, "proxy-access-log", [encoder.target], backend, "--api-key", KEY, "--access-log", "true")
+    try:
+        assert _post(front, chat_body(SERVED, [], "hello")).status_code == 200
+        assert _post(front, chat_body(SERVED, [], "no key"), None).status_code == 401
+        lines = [line for line in front.server.log().splitlines() if '"POST /v1/chat/completions HTTP/1.1"' in line]
+        assert [line.split('HTTP/1.1" ')[1].split()[0] for line in lines] == ["200", "401"], lines
+        assert KEY not in front.server.log()
+    finally:
+        assert _stop(front) == 0
 
 
 def test_sigterm_cuts_what_outlasts_the_drain_grace(tmp: Path, encoder: EncoderProcess, backend: FakeVllm) -> None:

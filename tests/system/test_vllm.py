@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.vllm_soak import run_soak
 from common.weights_digest import checkpoint_digest
 from epd_harness.families import noise_vision_copy
 from epd_harness.media import image_url, video_url
@@ -28,7 +29,6 @@ from epd_harness.qwen3vl import write_qwen3vl_checkpoint
 from epd_harness.vllm import PIL_IMAGE_PROCESSOR, Server, VllmPair, chat_body, start_pair, start_proxy, vllm_missing
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import MediaSpec
-from bench.vllm_soak import run_soak
 from tests.support.gate import Gate
 from tests.support.scrape import scrape
 

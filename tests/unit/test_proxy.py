@@ -38,12 +38,11 @@ from common.errors import (
     WeightsMismatchError,
 )
 from common.wire import pb2
-from prefill_client.handoff import Placement
 from prefill_client.consumer.connection import MediaSpec
+from prefill_client.handoff import Placement, from_params
 from prefill_client.proxy.app import Proxy
 from prefill_client.proxy.clients import MAX_MODELS
 from prefill_client.proxy.media import b64decode
-from prefill_client.handoff import from_params
 
 PNG = b"\x89PNG fake bytes"
 
