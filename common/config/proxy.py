@@ -109,8 +109,8 @@ class ProxyConfig:
     access_log: bool = setting(
         False, env="EPD_PROXY_ACCESS_LOG",
         help="log one line per request answered, at INFO on the logger aiohttp.access: the caller's address, "
-             "the request line, the status, the bytes sent, the seconds taken and the User-Agent (never a "
-             "header's value else, nor a body); true/false. Off, the proxy spends nothing on it")
+             "the request line, the status, the bytes sent, the seconds taken, the User-Agent and X-Request-Id "
+             "(never another header's value, nor a body); true/false. Off, the proxy spends nothing on it")
     drain_grace_s: float = setting(
         20.0, env="EPD_PROXY_DRAIN_GRACE_S",
         help="on SIGTERM (or SIGINT) the proxy stops listening at once and gives the requests in flight, streams "

@@ -157,6 +157,9 @@ class Front:
             response = await handler(request)
             status = response.status
             return response
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:  # a route the proxy does not serve
+            status = exc.status
+            return unserved(request, exc).response()
         except web.HTTPException as exc:
             status = exc.status
             raise
@@ -293,6 +296,16 @@ def _route(request: web.Request) -> str:
     """The route a request matched (its pattern), or :data:`OTHER_ROUTE`."""
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else OTHER_ROUTE
+
+
+def unserved(request: web.Request, exc: web.HTTPException) -> HttpError:
+    """An OpenAI-form answer for a path or method the proxy does not serve, naming what it serves
+    (``Allow`` kept on a 405)."""
+    served = sorted({f"{route.method} {route.resource.canonical}" for route in request.app.router.routes()
+                     if route.resource is not None and route.method != hdrs.METH_HEAD})
+    allow = {"Allow": exc.headers[hdrs.ALLOW]} if hdrs.ALLOW in exc.headers else None
+    return HttpError(exc.status, f"epd proxy does not serve {request.method} {request.path}; it serves "
+                                 f"{', '.join(served)}", headers=allow)
 
 
 def _caller_left(request: web.Request) -> bool:

@@ -19,8 +19,9 @@ logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 1.0  # how often a worker checks that its parent is still there
 ACCESS_LOGGER = "aiohttp.access"
-# --access-log: address, request line, status, bytes sent, seconds taken, user agent (no key, no body).
-ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf "%{User-Agent}i"'
+# --access-log: address, request line, status, bytes sent, seconds taken, user agent, the caller's
+# X-Request-Id (which goes on to vLLM too); no key, no body.
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf "%{User-Agent}i" "%{X-Request-Id}i"'
 
 
 def serve(cfg: ProxyConfig, port: int, started: Callable[[int], None], *, reuse_port: bool = False,

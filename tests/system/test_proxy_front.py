@@ -302,10 +302,13 @@ def test_the_access_log_has_a_line_per_request_and_no_key(tmp: Path, encoder: En
                                                          backend: FakeVllm) -> None:
     front = start_front(tmp, "proxy-access-log", [encoder.target], backend, "--api-key", KEY, "--access-log", "true")
     try:
-        assert _post(front, chat_body(SERVED, [], "hello")).status_code == 200
+        resp = httpx.post(front.url + CHAT, json=chat_body(SERVED, [], "hello"), timeout=REQUEST_TIMEOUT_S,
+                          headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "req-42"})
+        assert resp.status_code == 200
         assert _post(front, chat_body(SERVED, [], "no key"), None).status_code == 401
         lines = [line for line in front.server.log().splitlines() if '"POST /v1/chat/completions HTTP/1.1"' in line]
         assert [line.split('HTTP/1.1" ')[1].split()[0] for line in lines] == ["200", "401"], lines
+        assert lines[0].endswith('"req-42"') and lines[1].endswith('"-"'), lines
         assert KEY not in front.server.log()
     finally:
         assert _stop(front) == 0

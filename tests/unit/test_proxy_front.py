@@ -521,3 +521,22 @@ def test_the_encoder_watch_asks_readiness_and_never_handshakes() -> None:
         finally:
             watch.close()
     assert "do not resolve" in EncoderWatch(ProxyConfig(encoders=("file:/nonexistent/list",))).side().unknown
+
+
+def test_a_route_the_proxy_does_not_serve_is_an_openai_error_naming_the_ones_it_does() -> None:
+    async def test() -> None:
+        async with _front() as front:
+            assert (await front.http.get("/v1/responses")).status == 401  # the key first: no route is named
+            resp = await front.http.post("/v1/responses", json={"input": "x"}, headers=_auth())
+            error = (await resp.json())["error"]
+            assert resp.status == 404 and error["code"] == 404 and error["type"] == "invalid_request_error"
+            assert "does not serve POST /v1/responses" in error["message"]
+            for served in (f"POST {CHAT}", f"POST {COMPLETIONS}", "GET /v1/models", "GET /metrics"):
+                assert served in error["message"], error["message"]
+            resp = await front.http.get(CHAT, headers=_auth())
+            assert resp.status == 405 and resp.headers["Allow"] == "POST"
+            assert "does not serve GET /v1/chat/completions" in (await resp.json())["error"]["message"]
+            metrics = front.metrics()
+            assert metrics[_key("epd_proxy_requests_total", {"route": "other", "code": "404"})] == 1
+            assert front.backend.chats == []
+    _run(test)
