@@ -42,7 +42,8 @@ two sides alternate in ``--rounds`` (A B, then B A, ...), so a slow moment of th
   what the image adds with the pull out of the way;
 - ``v`` vLLM's own benchmark client, ``vllm bench serve --backend openai-chat``, instead of the
   ``openai`` one (``bench/front_vllm_bench.py``): random text prompts at the highest
-  ``--text-concurrency`` through the proxy, the relay and straight to ``A``, and random new images
+  ``--text-concurrency`` through the proxy, the relay and straight to ``A``, as chats and as text
+  completions (the client's default, ``/v1/completions``), and random new images
   (``random-mm``, one of ``--side`` pixels a request) at ``--concurrency`` through the proxy and
   to plain vLLM.
 
@@ -114,6 +115,7 @@ TARGETS = {  # name: (figure, bound, at most?)
     "new_ttft_p50_vs_plain": ("new_ttft_p50_vs_plain", 1.0, True),
     "cached_image_added_ttft_p50_ms": ("cached_image_added_ttft_p50_ms", 10.0, True),
     "vllm_bench_text_throughput_vs_direct": ("vllm_bench_text_proxy_throughput_vs_direct", 0.97, False),
+    "vllm_bench_completions_throughput_vs_direct": ("vllm_bench_completions_proxy_throughput_vs_direct", 0.97, False),
     "vllm_bench_new_images_throughput_vs_plain": ("vllm_bench_new_images_throughput_vs_plain", 0.95, False),
     "vllm_bench_new_images_ttft_p50_vs_plain": ("vllm_bench_new_images_ttft_p50_vs_plain", 1.0, True),
 }

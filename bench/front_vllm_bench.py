@@ -4,7 +4,8 @@
 CPU build too) sends its own requests at a fixed concurrency and writes one JSON result per set:
 request throughput and time to first token at vLLM's own percentiles. Text sets (``random``
 prompts of 330 tokens, 8 out, ``--ignore-eos``) go through the proxy, the bare relay and straight
-to the consumer; image sets (``random-mm``: one new random image of ``--side`` pixels a request)
+to the consumer, as chats and again as text completions (``--backend openai``, the client's
+default, on ``/v1/completions``); image sets (``random-mm``: one new random image of ``--side`` pixels a request)
 through the proxy and to plain vLLM. Each set has a seed of its own, so no prompt or image is in
 the cache of the vLLM it reaches. The sides' sets alternate as in the other phases. Not measured:
 vLLM's own warm-up requests at the start of every text set (``--num-warmups``: one prompt, as
@@ -33,11 +34,11 @@ RESULT_KEYS = ("completed", "failed", "duration", "request_throughput", "median_
 
 
 def bench_serve(stack: Stack, url: str, tag: str, seed: int, *options: str) -> dict[str, Any]:
-    """One ``vllm bench serve`` set against ``url``; the figures of its JSON result that phase v reports."""
+    """One ``vllm bench serve`` set against ``url``; the figures of its JSON result that phase v reports.
+    ``options`` name the client's backend and endpoint (:func:`text_options`, :func:`image_options`)."""
     result_dir = stack.logs / "vllm-bench"
     result_dir.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "common.cli", "vllm", "bench", "serve", "--backend", "openai-chat",
-           "--base-url", url, "--endpoint", "/v1/chat/completions", "--model", MODEL,
+    cmd = [sys.executable, "-m", "common.cli", "vllm", "bench", "serve", "--base-url", url, "--model", MODEL,
            "--tokenizer", str(stack.real), "--seed", str(seed), "--disable-tqdm",
            "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{tag}.json", *options]
@@ -51,14 +52,19 @@ def bench_serve(stack: Stack, url: str, tag: str, seed: int, *options: str) -> d
     return {key: result.get(key) for key in RESULT_KEYS}
 
 
-def text_options(prompts: int, concurrency: int) -> tuple[str, ...]:
-    return ("--dataset-name", "random", "--random-input-len", str(TEXT_TOKENS), "--random-output-len",
+def text_options(prompts: int, concurrency: int, *, completions: bool = False) -> tuple[str, ...]:
+    """Random text prompts, as chats (``openai-chat``) or, ``completions``, as text completions (the
+    client's default backend, ``openai``)."""
+    api = (("--backend", "openai", "--endpoint", "/v1/completions") if completions else
+           ("--backend", "openai-chat", "--endpoint", "/v1/chat/completions"))
+    return (*api, "--dataset-name", "random", "--random-input-len", str(TEXT_TOKENS), "--random-output-len",
             str(TEXT_OUTPUT_TOKENS), "--ignore-eos", "--num-prompts", str(prompts), "--max-concurrency",
             str(concurrency), "--num-warmups", str(2 * concurrency))
 
 
 def image_options(args: argparse.Namespace) -> tuple[str, ...]:
-    return ("--dataset-name", "random-mm", "--random-input-len", str(IMAGE_PROMPT_TOKENS), "--random-output-len",
+    return ("--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", "random-mm",
+            "--random-input-len", str(IMAGE_PROMPT_TOKENS), "--random-output-len",
             str(IMAGE_OUTPUT_TOKENS), "--ignore-eos", "--random-mm-base-items-per-request", "1",
             "--random-mm-num-mm-items-range-ratio", "0", "--random-mm-limit-mm-per-prompt",
             '{"image": 1, "video": 0}', "--random-mm-bucket-config", f"{{({args.side}, {args.side}, 1): 1.0}}",
@@ -108,13 +114,15 @@ def phase_vllm_bench(stack: Stack, args: argparse.Namespace, out: dict[str, Any]
                   ("direct", stack.consumers[0].url, None)]
     conc = max(args.text_concurrency)
     prompts = max(args.text_requests, 2 * SET_REQUESTS_PER_SLOT * conc)  # sets of about 4 s
-    text = alternate(stack, text_sides, "text", args.rounds, text_options(prompts, conc), 60_000, warm_up=True)
-    out["vllm_bench_text"] = {"concurrency": conc, "prompts_per_set": prompts, **text}
-    for side, anchor in (("proxy", "direct"), ("relay", "direct"), ("proxy", "relay")):
-        out[f"vllm_bench_text_{side}_throughput_vs_{anchor}"] = ratio(
-            text[side]["requests_per_s"], text[anchor]["requests_per_s"])
-        out[f"vllm_bench_text_{side}_added_ttft_p50_ms_over_{anchor}"] = round(
-            text[side]["ttft_p50_ms_mean_of_sets"] - text[anchor]["ttft_p50_ms_mean_of_sets"], 2)
+    for name, completions, seed in (("text", False, 60_000), ("completions", True, 80_000)):
+        text = alternate(stack, text_sides, name, args.rounds, text_options(prompts, conc, completions=completions),
+                         seed, warm_up=True)
+        out[f"vllm_bench_{name}"] = {"concurrency": conc, "prompts_per_set": prompts, **text}
+        for side, anchor in (("proxy", "direct"), ("relay", "direct"), ("proxy", "relay")):
+            out[f"vllm_bench_{name}_{side}_throughput_vs_{anchor}"] = ratio(
+                text[side]["requests_per_s"], text[anchor]["requests_per_s"])
+            out[f"vllm_bench_{name}_{side}_added_ttft_p50_ms_over_{anchor}"] = round(
+                text[side]["ttft_p50_ms_mean_of_sets"] - text[anchor]["ttft_p50_ms_mean_of_sets"], 2)
     if stack.plain is None:
         return
     image_sides = [("proxy", proxy.url, proxy.proc.pid), ("plain", stack.plain.url, None)]

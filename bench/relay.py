@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host"})
 
 
@@ -34,7 +35,7 @@ def relay_app(backend: str) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
         data = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        async with app[session_key].post(backend + CHAT_PATH, data=data, headers=headers) as resp:
+        async with app[session_key].post(backend + request.path, data=data, headers=headers) as resp:
             out = web.StreamResponse(status=resp.status, headers={
                 k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP})
             await out.prepare(request)
@@ -50,6 +51,7 @@ def relay_app(backend: str) -> web.Application:
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
     app.router.add_post(CHAT_PATH, chat)
+    app.router.add_post(COMPLETIONS_PATH, chat)
     app.router.add_get("/health", health)
     return app
 
