@@ -10,15 +10,15 @@ proxy keeps no shared state, and each of several proxy processes balances its ow
 - :class:`LeastOutstanding`: the backend with the fewest requests in flight (ties in turn).
 - :class:`BoundedAffinity` (the default): consistent hashing with bounded loads. A request's
   key (:func:`affinity_key`: the conversation's leading messages, which vLLM's prefix cache
-  keys on and every later turn sends again; a completion's prompt start) ranks the backends by rendezvous hashing; the
-  request goes to the first backend in that rank whose outstanding requests, this one
-  included, stay within ``ceil(c x (all outstanding + 1) / backends)``. So a conversation, or
-  a repeated image with the same text, keeps its backend and that backend's prefix cache
-  while it is not overloaded, and a hot key spills over to the next backends of its own rank
-  rather than piling onto one. Rendezvous hashing stands for the hash ring here: as on a
-  ring, a backend that comes or goes moves only its share of keys, and a key that spills
-  goes to a backend of its own random order instead of always to a ring neighbour. A request
-  without a key goes to the least loaded backend.
+  keys on and every later turn sends again; a completion's start) ranks the backends by
+  rendezvous hashing; the request goes to the first backend in that rank whose outstanding
+  requests, this one included, stay within ``ceil(c x (all outstanding + 1) / backends)``. So a
+  conversation, or a repeated image with the same text, keeps its backend and that backend's
+  prefix cache while it is not overloaded, and a hot key spills over to the next backends of
+  its own rank rather than piling onto one. Rendezvous hashing stands for the hash ring here:
+  as on a ring, a backend that comes or goes moves only its share of keys, and a key that
+  spills goes to a backend of its own random order instead of always to a ring neighbour. A
+  request without a key goes to the least loaded backend.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from common.config.choices import RoutingPolicy
 from common.errors import ConfigError
 from prefill_client.consumer.routing import rendezvous_order
 
-# How much of a completion's prompt its key reads: a few of vLLM's KV blocks (16 tokens on GPUs),
-# past which prompts that share their start (a preamble, earlier turns) are one key.
+# How much of a completion's prompt its key reads (about 256 tokens: 16 of vLLM's KV blocks on a GPU,
+# two of the CPU build's). Prompts that share this much of their start (a preamble, earlier turns)
+# are one key.
 PROMPT_KEY_CHARS = 1024
 PROMPT_KEY_TOKENS = 256
 
