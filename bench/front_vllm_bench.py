@@ -29,6 +29,8 @@ TEXT_TOKENS = 330  # about phase a's prompts
 TEXT_OUTPUT_TOKENS = 8
 IMAGE_PROMPT_TOKENS = 16
 IMAGE_OUTPUT_TOKENS = 4
+CHAT_API = ("--backend", "openai-chat", "--endpoint", "/v1/chat/completions")
+COMPLETIONS_API = ("--backend", "openai", "--endpoint", "/v1/completions")  # the client's default
 RESULT_KEYS = ("completed", "failed", "duration", "request_throughput", "median_ttft_ms", "p99_ttft_ms",
                "mean_ttft_ms", "median_e2el_ms")
 
@@ -55,15 +57,13 @@ def bench_serve(stack: Stack, url: str, tag: str, seed: int, *options: str) -> d
 def text_options(prompts: int, concurrency: int, *, completions: bool = False) -> tuple[str, ...]:
     """Random text prompts, as chats (``openai-chat``) or, ``completions``, as text completions (the
     client's default backend, ``openai``)."""
-    api = (("--backend", "openai", "--endpoint", "/v1/completions") if completions else
-           ("--backend", "openai-chat", "--endpoint", "/v1/chat/completions"))
-    return (*api, "--dataset-name", "random", "--random-input-len", str(TEXT_TOKENS), "--random-output-len",
+    return (*(COMPLETIONS_API if completions else CHAT_API), "--dataset-name", "random", "--random-input-len", str(TEXT_TOKENS), "--random-output-len",
             str(TEXT_OUTPUT_TOKENS), "--ignore-eos", "--num-prompts", str(prompts), "--max-concurrency",
             str(concurrency), "--num-warmups", str(2 * concurrency))
 
 
 def image_options(args: argparse.Namespace) -> tuple[str, ...]:
-    return ("--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", "random-mm",
+    return (*CHAT_API, "--dataset-name", "random-mm",
             "--random-input-len", str(IMAGE_PROMPT_TOKENS), "--random-output-len",
             str(IMAGE_OUTPUT_TOKENS), "--ignore-eos", "--random-mm-base-items-per-request", "1",
             "--random-mm-num-mm-items-range-ratio", "0", "--random-mm-limit-mm-per-prompt",

@@ -22,7 +22,7 @@ request, one at a time, one token each (``max_tokens=1``: time to first token, n
 
 The kinds alternate in sets of ``--requests``, ``--rounds`` times each; the time of each call to
 ``LLM.generate`` (render, schedule, the prefill step, the sample). The last line of stdout is one
-JSON object: each kind's p50 and p90 (ms), the p50 an image adds, per round and over all.
+JSON object: each kind's p50 and p99 (ms), the p50 an image adds, per round and over all.
 Usage: ``python bench/vllm_image_cost.py [--workdir DIR] [--requests 30] [--rounds 3] [--core 1]``.
 """
 
@@ -40,20 +40,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.front_load import summary  # noqa: E402
 from bench.front_stack import checkpoints  # noqa: E402
 
 IMAGE_PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is in the picture? "
                 "Answer briefly.<|im_end|>\n<|im_start|>assistant\n")
 KV_CACHE_BYTES = 256 << 20
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {"p50": round(statistics.median(values), 2), "p90": round(percentile(values, 0.9), 2), "n": len(values)}
 
 
 def measure(checkpoint: Path, args: argparse.Namespace) -> dict[str, Any]:

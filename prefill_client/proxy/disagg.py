@@ -121,7 +121,7 @@ class Disaggregated:
         return aiohttp.ClientTimeout(total=self.cfg.backend_timeout_s, sock_connect=self.cfg.backend_connect_timeout_s)
 
     async def serve(self, body: dict[str, Any], request: web.Request, client: EncoderCacheClient | None = None,
-                   placements: Sequence[Placement] = (), *, path: str = CHAT_PATH) -> web.StreamResponse:
+                    placements: Sequence[Placement] = (), *, path: str = CHAT_PATH) -> web.StreamResponse:
         """Prefill ``body`` (rewritten; ``client`` placed its ``placements``), then decode it and relay the
         answer; ``path``: the route both steps go to (a chat, or a text completion)."""
         headers = passed_headers(request.headers)

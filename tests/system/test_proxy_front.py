@@ -8,6 +8,7 @@ writes a line per request, without the key. No vLLM."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -259,14 +260,7 @@ def test_workers_stop_when_their_parent_is_killed(tmp: Path, encoder: EncoderPro
         assert httpx.get(front.url + "/health", timeout=10.0).status_code == 200
         front.server.proc.kill()  # no SIGTERM to forward: the workers notice by themselves
         front.server.proc.wait(10.0)
-        deadline = time.monotonic() + 30.0
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", front.server.port), timeout=2.0).close()
-            except OSError:
-                break  # nobody listens: both workers are gone
-            assert time.monotonic() < deadline, "the workers outlived their parent"
-            time.sleep(0.2)
+        _wait_not_listening(front, "the workers outlived their parent")  # nobody listens: both are gone
     finally:
         front.server.stop()
 
@@ -275,26 +269,20 @@ def test_workers_stop_when_their_parent_is_killed(tmp: Path, encoder: EncoderPro
 def test_sigterm_stops_listening_and_lets_the_requests_in_flight_finish(
         tmp: Path, encoder: EncoderProcess, backend: FakeVllm, workers: int) -> None:
     front = start_front(tmp, f"proxy-drain-{workers}", [encoder.target], backend, "--workers", str(workers))
-    answers: list[httpx.Response | Exception] = []
-    sender = threading.Thread(target=_post_into, args=(front, chat_body(SERVED, [], "held"), answers))
-    backend.hold()
     try:
-        sender.start()
-        assert backend.arrived.wait(DRAIN_WAIT_S), front.server.log()[-3000:]
-        front.server.proc.send_signal(signal.SIGTERM)
-        _wait_not_listening(front)  # at once, with the held request still in flight
-        assert not answers and front.server.proc.poll() is None
-        backend.release()
-        sender.join(DRAIN_WAIT_S)
-        assert len(answers) == 1 and isinstance(answers[0], httpx.Response), answers
-        assert answers[0].status_code == 200, answers[0].text
-        assert answers[0].json()["choices"][0]["message"]["content"] == "ok"
+        with _held_request(front, backend) as (answers, sender):
+            front.server.proc.send_signal(signal.SIGTERM)
+            _wait_not_listening(front, "the proxy still listens after SIGTERM")  # at once, the request in flight
+            assert not answers and front.server.proc.poll() is None
+            backend.release()
+            sender.join(DRAIN_WAIT_S)
+            assert len(answers) == 1 and isinstance(answers[0], httpx.Response), answers
+            assert answers[0].status_code == 200, answers[0].text
+            assert answers[0].json()["choices"][0]["message"]["content"] == "ok"
         assert front.server.proc.wait(DRAIN_WAIT_S) == 0, front.server.log()[-3000:]
         assert "requests in flight: 1, given up to 20 s" in front.server.log()
         assert '"POST /v1/chat/completions' not in front.server.log()  # no access log unless asked
     finally:
-        backend.release()
-        sender.join(DRAIN_WAIT_S)
         front.server.stop()
 
 
@@ -316,40 +304,52 @@ def test_the_access_log_has_a_line_per_request_and_no_key(tmp: Path, encoder: En
 
 def test_sigterm_cuts_what_outlasts_the_drain_grace(tmp: Path, encoder: EncoderProcess, backend: FakeVllm) -> None:
     front = start_front(tmp, "proxy-drain-cut", [encoder.target], backend, "--workers", "2", "--drain-grace-s", "1")
-    answers: list[httpx.Response | Exception] = []
-    sender = threading.Thread(target=_post_into, args=(front, chat_body(SERVED, [], "held"), answers))
-    backend.hold()  # until the end of the test: longer than the grace
     try:
-        sender.start()
-        assert backend.arrived.wait(DRAIN_WAIT_S), front.server.log()[-3000:]
-        front.server.proc.send_signal(signal.SIGTERM)
-        # Every worker exits (0) while the backend still holds the request: it was cut, not waited for.
-        assert front.server.proc.wait(DRAIN_WAIT_S) == 0, front.server.log()[-3000:]
-        sender.join(DRAIN_WAIT_S)
-        assert len(answers) == 1 and isinstance(answers[0], httpx.TransportError), answers
-        assert backend.holding  # still held: nothing but the grace ended it
+        with _held_request(front, backend) as (answers, sender):  # held until the end: longer than the grace
+            front.server.proc.send_signal(signal.SIGTERM)
+            # Every worker exits (0) while the backend still holds the request: it was cut, not waited for.
+            assert front.server.proc.wait(DRAIN_WAIT_S) == 0, front.server.log()[-3000:]
+            sender.join(DRAIN_WAIT_S)
+            assert len(answers) == 1 and isinstance(answers[0], httpx.TransportError), answers
+            assert backend.holding  # still held: nothing but the grace ended it
     finally:
-        backend.release()
-        sender.join(DRAIN_WAIT_S)
         front.server.stop()
 
 
-def _post_into(front: Front, body: dict[str, Any], answers: list[httpx.Response | Exception]) -> None:
-    """:func:`_post` without a key (the proxy asks none) in a thread: its answer, or its error, into ``answers``."""
+@contextlib.contextmanager
+def _held_request(front: Front, backend: FakeVllm) -> Iterator[tuple[list[httpx.Response | Exception],
+                                                                    threading.Thread]]:
+    """A chat sent (without a key: the proxy asks none) from a thread and held by ``backend``: yields
+    the list its answer or error will go into, and the thread, once the backend has it; at exit the
+    backend lets it go and the thread is joined."""
+    answers: list[httpx.Response | Exception] = []
+
+    def send() -> None:
+        try:
+            answers.append(_post(front, chat_body(SERVED, [], "held"), None))
+        except Exception as exc:
+            answers.append(exc)
+
+    sender = threading.Thread(target=send)
+    backend.hold()
     try:
-        answers.append(_post(front, body, None))
-    except Exception as exc:
-        answers.append(exc)
+        sender.start()
+        assert backend.arrived.wait(DRAIN_WAIT_S), front.server.log()[-3000:]
+        yield answers, sender
+    finally:
+        backend.release()
+        sender.join(DRAIN_WAIT_S)
 
 
-def _wait_not_listening(front: Front) -> None:
+def _wait_not_listening(front: Front, why: str) -> None:
+    """Until no connection to the proxy's port is taken, at most :data:`DRAIN_WAIT_S` (else ``why``)."""
     deadline = time.monotonic() + DRAIN_WAIT_S
     while True:
         try:
             socket.create_connection(("127.0.0.1", front.server.port), timeout=2.0).close()
         except OSError:
             return
-        assert time.monotonic() < deadline, "the proxy still listens after SIGTERM"
+        assert time.monotonic() < deadline, why
         time.sleep(0.1)
 
 
