@@ -39,7 +39,9 @@ two sides alternate in ``--rounds`` (A B, then B A, ...), so a slow moment of th
   connector's own /metrics read around each request: :class:`Breakdown`). After each pair, the
   same image again with other text (``image_in_vllm``): vLLM's encoder cache holds its rows
   then, so nothing is pulled (the prompt, under one 128-token block, hits no prefix cache):
-  what the image adds with the pull out of the way;
+  what the image adds with the pull out of the way. Then another held image through a second
+  proxy before ``A`` that sends no prefetch hints (``image_cached_unhinted``): the pull starts
+  only when vLLM's scheduler orders it, as without :mod:`prefill_client.vllm.prefetch`;
 - ``v`` vLLM's own benchmark client, ``vllm bench serve --backend openai-chat``, instead of the
   ``openai`` one (``bench/front_vllm_bench.py``): random text prompts at the highest
   ``--text-concurrency`` through the proxy, the relay and straight to ``A``, as chats and as text
@@ -251,12 +253,14 @@ class Breakdown:
         "vllm_queue": ("vllm", "vllm:request_queue_time_seconds_sum"),
         "vllm_prefill": ("vllm", "vllm:request_prefill_time_seconds_sum"),
         "pull": ("connector", "epd_pull_latency_seconds_sum"),
+        "prefetched": ("connector", "epd_pulls_prefetched_total"),  # a count, not seconds (shown x 1000)
     }
     COUNTED = "vllm:time_to_first_token_seconds_count"  # vLLM has counted a request's first token
 
     def __init__(self, stack: Stack) -> None:
         self.urls = {"proxy": stack.proxies["proxy"].url, "vllm": stack.consumers[0].url,
                      "connector": stack.connector_metrics[0]}
+        self.proxies = {name: server.url for name, server in stack.proxies.items()}
         self.sums: dict[str, dict[str, float]] = {}
         self.counts: dict[str, int] = {}
         self.http = httpx.Client(trust_env=False)
@@ -264,27 +268,29 @@ class Breakdown:
     def close(self) -> None:
         self.http.close()
 
-    def _scrape(self, server: str, *extra: str) -> dict[str, float]:
+    def _scrape(self, server: str, *extra: str, url: str | None = None) -> dict[str, float]:
         names = [metric for whose, metric in self.FIGURES.values() if whose == server] + list(extra)
-        return dict(zip(names, metric_totals(self.urls[server], *names, http=self.http), strict=True))
+        return dict(zip(names, metric_totals(url or self.urls[server], *names, http=self.http), strict=True))
 
-    def read(self, counted: float = 0.0) -> tuple[float, dict[str, float]]:
-        """vLLM's count of first tokens and every figure's metric, once vLLM counts ``counted`` (bounded)."""
+    def read(self, proxy: str, counted: float = 0.0) -> tuple[float, dict[str, float]]:
+        """vLLM's count of first tokens and every figure's metric (the proxy's: of ``proxy``), once vLLM
+        counts ``counted`` (bounded)."""
         deadline = time.monotonic() + METRICS_WAIT_S
         while True:
             vllm = self._scrape("vllm", self.COUNTED)
             if vllm[self.COUNTED] >= counted or time.monotonic() > deadline:
                 break
             time.sleep(METRICS_POLL_S)
-        values = {**vllm, **self._scrape("proxy"), **self._scrape("connector")}
+        values = {**vllm, **self._scrape("proxy", url=self.proxies[proxy]), **self._scrape("connector")}
         return values[self.COUNTED], {figure: values[metric] for figure, (_, metric) in self.FIGURES.items()}
 
-    async def measure(self, kind: str, run: Any) -> Any:
-        counted, before = await asyncio.to_thread(self.read)
+    async def measure(self, kind: str, run: Any, proxy: str = "proxy") -> Any:
+        """``run`` (one request through ``proxy``), its figures added to ``kind``'s."""
+        counted, before = await asyncio.to_thread(self.read, proxy)
         gc.collect()  # the client's own garbage (the reads', the last request's), not in the request's time
         got = await run
         if got.samples:
-            _, after = await asyncio.to_thread(self.read, counted + 1)
+            _, after = await asyncio.to_thread(self.read, proxy, counted + 1)
             sums = self.sums.setdefault(kind, dict.fromkeys([*self.FIGURES, "client_ttft"], 0.0))
             for figure in self.FIGURES:
                 sums[figure] += after[figure] - before[figure]
@@ -298,9 +304,11 @@ class Breakdown:
 
 
 async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict[str, Any]) -> None:
-    side = stack.side("proxy")
+    side, unhinted = stack.side("proxy"), stack.side("unhinted")
     urls = [image_url(80_000 + i, args.side, args.side) for i in range(args.requests)]
-    place(stack, urls)
+    # As many other held images for the proxy that sends no prefetch hints (each new to vLLM).
+    urls_unhinted = [image_url(85_000 + i, args.side, args.side) for i in range(args.requests)]
+    place(stack, urls + urls_unhinted)
     # The template's tokens around a text prompt, to pad the text to the image request's length.
     probe = text_message("probe-e", 200)
     calibration = await measure_set(side, [probe], 1, 1)
@@ -310,6 +318,7 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
     images: list[Any] = []
     texts: list[Any] = []
     repeats: list[Any] = []
+    images_unhinted: list[Any] = []
     mismatches = 0  # text or repeat requests whose prompt is not as long as the image request's
     parts = Breakdown(stack)
     ticks = side.proxy_ticks()
@@ -324,17 +333,23 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
             # The same image again: vLLM's own encoder cache has its rows now, so nothing is pulled.
             again = await parts.measure("image_in_vllm", measure_set(
                 side, [image_message(url, IMAGE_TEXT_AGAIN)], 1, args.max_tokens))
-            if not text.samples or not again.samples:
+            # Another held image through the proxy that sends no prefetch hint: its pull starts when
+            # vLLM's scheduler orders it.
+            plain_pull = await parts.measure("image_cached_unhinted", measure_set(
+                unhinted, [image_message(urls_unhinted[i])], 1, args.max_tokens), "unhinted")
+            if not text.samples or not again.samples or not plain_pull.samples:
                 continue
-            mismatches += (text.samples[0].prompt_tokens != tokens) + (again.samples[0].prompt_tokens != tokens)
+            mismatches += sum(got.samples[0].prompt_tokens != tokens for got in (text, again, plain_pull))
             images += image.samples
             texts += text.samples
             repeats += again.samples
+            images_unhinted += plain_pull.samples
     finally:
         parts.close()
     cpu = cpu_ms(side.proxy_ticks() - ticks)
     got = {"image_cached": summary([s.ttft_ms for s in images]), "text_same_length": summary([s.ttft_ms for s in texts]),
            "image_in_vllm": summary([s.ttft_ms for s in repeats]),
+           "image_cached_unhinted": summary([s.ttft_ms for s in images_unhinted]),
            "prompt_tokens": images[0].prompt_tokens if images else None, "prompt_token_mismatches": mismatches,
            "proxy_cpu_ms_per_request": round(cpu / max(1, len(images) + len(texts)), 2),
            "breakdown_mean_ms": parts.means()}
@@ -342,6 +357,9 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
     out["cached_image_added_ttft_p50_ms"] = round(got["image_cached"]["p50"] - got["text_same_length"]["p50"], 2)
     # What the image would add if its rows were on vLLM's worker before its scheduler asked (no pull).
     out["image_in_vllm_added_ttft_p50_ms"] = round(got["image_in_vllm"]["p50"] - got["text_same_length"]["p50"], 2)
+    # The same as the first figure, through a proxy that sends no prefetch hints (the pull starts later).
+    out["cached_image_unhinted_added_ttft_p50_ms"] = round(
+        got["image_cached_unhinted"]["p50"] - got["text_same_length"]["p50"], 2)
     out["proxy_cpu_ms_per_request"]["cached_image_vs_text"] = got["proxy_cpu_ms_per_request"]
 
 

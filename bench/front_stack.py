@@ -30,6 +30,7 @@ from epd_harness.qwen3vl import write_qwen3vl_checkpoint
 from epd_harness.vllm import (
     Server,
     connector_config,
+    consumer_args,
     launch_vllm,
     start_proxy,
     stop_started,
@@ -119,7 +120,8 @@ def metric_totals(base_url: str, *names: str, http: httpx.Client | None = None) 
 class Stack:
     """The processes, and a :class:`Side` for each way in: ``proxy`` (also ``one_backend``), ``direct``
     (consumer A without the proxy), ``relay`` (``bench/relay.py`` before A, for phase a), ``plain``,
-    and for phase d ``affinity`` and ``round_robin``."""
+    ``unhinted`` (a proxy before A that sends no prefetch hints, for phase e), and for phase d
+    ``affinity`` and ``round_robin``."""
 
     args: argparse.Namespace
     logs: Path
@@ -146,12 +148,13 @@ class Stack:
         self._open("proxy", self.proxies["proxy"], True)
         self._open("one_backend", self.proxies["proxy"], True)
         self._open("direct", self.consumers[0], False)
-        if "relay" in self.proxies:
-            self._open("relay", self.proxies["relay"], True)
+        for name in ("relay", "unhinted"):
+            if name in self.proxies:
+                self._open(name, self.proxies[name], True)
         if self.plain is not None:
             self._open("plain", self.plain, False)
         try:
-            await self._warm_up(["direct", "relay", "plain", "proxy"], 9_000)
+            await self._warm_up(["direct", "relay", "plain", "proxy", "unhinted"], 9_000)
             yield
         finally:
             for side in self.sides.values():
@@ -184,7 +187,7 @@ class Stack:
             self.plain = None
         config, metrics_url = consumer_config(self.encoder, self.real)
         server = launch_vllm(self.noise, self.logs / "vllm-consumer-b.log", *engine_args(self.args),
-                             "--ec-transfer-config", config, cpu_core=CONSUMER_CORE, log_stats=True)
+                             *consumer_args(config), cpu_core=CONSUMER_CORE, log_stats=True)
         self.consumers.append(server)
         self.connector_metrics.append(metrics_url)
         wait_vllm(server)
@@ -289,8 +292,8 @@ def start_stack(work: Path, logs: Path, args: argparse.Namespace) -> Stack:
         started.append(encoder)
         pin(encoder.proc.pid, {ENCODER_CORE})
         config, metrics_url = consumer_config(encoder, real)
-        consumer = launch_vllm(noise, logs / "vllm-consumer-a.log", *engine_args(args), "--ec-transfer-config",
-                               config, cpu_core=CONSUMER_CORE, log_stats=True)
+        consumer = launch_vllm(noise, logs / "vllm-consumer-a.log", *engine_args(args), *consumer_args(config),
+                               cpu_core=CONSUMER_CORE, log_stats=True)
         started.append(consumer)
         for server in (plain, consumer):
             if server is not None:
@@ -300,8 +303,12 @@ def start_stack(work: Path, logs: Path, args: argparse.Namespace) -> Stack:
         try:
             if {"a", "v"} & set(args.phases):  # the bare hop beside the proxy, before the same vLLM
                 proxies["relay"] = start_relay(logs / "relay.log", consumer.url)
+            if "e" in args.phases:  # phase e's held images without prefetch hints, beside the proxy's
+                proxies["unhinted"] = start_proxy(logs / "proxy-unhinted.log", [encoder.target], [consumer.url],
+                                                  *proxy_args(args), "--prefetch-hints", "false")
         except BaseException:
-            proxy.stop()
+            for started_proxy in proxies.values():
+                started_proxy.stop()
             raise
     except BaseException:
         stop_started(started)

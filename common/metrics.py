@@ -62,6 +62,7 @@ DEVICE_EC_ACTIVE_REAL_TOKENS = "vllm_neuron:device_encoder_cache_active_real_tok
 # EPD pull (prefill side).
 EPD_PULLS = "epd_pulls"
 EPD_PULL_BYTES = "epd_pull_bytes"
+EPD_PULLS_PREFETCHED = "epd_pulls_prefetched"
 EPD_PULL_LATENCY = "epd_pull_latency_seconds"
 EPD_LOAD_FAILURES = "epd_ec_load_failures"
 EPD_HANDSHAKES = "epd_handshakes"
@@ -220,6 +221,9 @@ class PrefillMetrics(InputProcessorMetrics):
             registry=r)
         self.pulls = Counter(EPD_PULLS, "Items pulled from an encoder over NIXL", registry=r)
         self.pull_bytes = Counter(EPD_PULL_BYTES, "Bytes pulled from encoders over NIXL", registry=r)
+        self.pulls_prefetched = Counter(
+            EPD_PULLS_PREFETCHED, "Items an order found pulled already, on a prefetch hint (vLLM connector)",
+            registry=r)
         self.pull_latency = Histogram(
             EPD_PULL_LATENCY, "Time from issuing a block READ to a verified item",
             registry=r, buckets=_PULL_BUCKETS)

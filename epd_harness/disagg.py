@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from epd_harness.ports import free_port
-from epd_harness.vllm import Server, connector_config, launch_vllm
+from epd_harness.vllm import Server, connector_config, consumer_args, launch_vllm
 
 NIXL_ALIAS = Path(__file__).resolve().parent / "nixl_alias"
 
@@ -50,7 +50,7 @@ def launch_prefill(checkpoint: Path, log_path: Path, model: str, encoders: Seque
     (``connector``: the rest of its extra config) and NixlConnector as KV producer; not waited for.
     ``extra_env``: more variables for it."""
     return launch_vllm(checkpoint, log_path, "--served-model-name", model,
-                       "--ec-transfer-config", connector_config(encoders, model, **connector),
+                       *consumer_args(connector_config(encoders, model, **connector)),
                        "--kv-transfer-config", kv_transfer_config("kv_producer"), cpu_core=cpu_core,
                        extra_env={**nixl_env(), **(extra_env or {})}, kv_cache_bytes=KV_CACHE_BYTES)
 

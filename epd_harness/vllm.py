@@ -23,6 +23,7 @@ from common.weights_digest import checkpoint_digest
 from epd_harness.ports import free_port
 from epd_harness.procs import EncoderLaunch, EncoderProcess, launch_encoder, terminate
 from epd_harness.waits import wait_ready
+from prefill_client.vllm.prefetch import MIDDLEWARE as PREFETCH_MIDDLEWARE
 
 # Bound the whole start; a stalled one fails long before (see epd_harness.waits). vLLM takes
 # about 30 s on an idle 2-core box.
@@ -117,9 +118,15 @@ def launch_consumer(checkpoint: Path, log_path: Path, model: str, encoders: Sequ
                     tensor_parallel: int = 1, **connector: Any) -> Server:
     """:func:`launch_vllm` of ``checkpoint`` served as ``model``, with EpdCacheConnector pulling from
     ``encoders`` (``connector``: the rest of its extra config, see :func:`connector_config`)."""
-    return launch_vllm(checkpoint, log_path, "--served-model-name", model, "--ec-transfer-config",
-                       connector_config(encoders, model, **connector), cpu_core=cpu_core,
+    return launch_vllm(checkpoint, log_path, "--served-model-name", model,
+                       *consumer_args(connector_config(encoders, model, **connector)), cpu_core=cpu_core,
                        tensor_parallel=tensor_parallel)
+
+
+def consumer_args(config: str) -> tuple[str, ...]:
+    """A consumer vLLM's own arguments: the connector (``config``: :func:`connector_config`), and the
+    middleware that sends its workers the proxy's prefetch hints (:mod:`prefill_client.vllm.prefetch`)."""
+    return "--ec-transfer-config", config, "--middleware", PREFETCH_MIDDLEWARE
 
 
 @dataclass

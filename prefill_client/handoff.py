@@ -125,6 +125,41 @@ def with_placements(params: Mapping[str, Any] | None, placements: Sequence[Place
     return out
 
 
+# --- Prefetch hints: the same entries in a header, read by vLLM's API server -----------------
+# The proxy repeats a request's placements in ``X-Epd-Prefetch`` so that the engine's workers can
+# start pulling while vLLM's API server still renders the request (:mod:`prefill_client.vllm.prefetch`).
+# A hint only starts a pull earlier: the engine still pulls what its scheduler orders, checked the
+# same way, and a hint that is lost, late, stale or forged costs at most a pull that fails.
+
+PREFETCH_HEADER = "X-Epd-Prefetch"
+# Past this a request's hint is not sent (the request itself is unchanged): vLLM's HTTP server
+# refuses a request whose header block exceeds 16 KiB, and each item takes 300-400 bytes.
+MAX_HINT_BYTES = 8192
+
+
+def prefetch_hint(placements: Sequence[Placement]) -> str | None:
+    """The ``X-Epd-Prefetch`` value for ``placements`` (their ``epd_cache`` section, compact
+    JSON), or None when there are none or it would exceed :data:`MAX_HINT_BYTES`."""
+    if not placements:
+        return None
+    value = json.dumps(to_params(placements)[KEY], separators=(",", ":"))
+    return value if len(value) <= MAX_HINT_BYTES else None
+
+
+def from_hint(data: bytes) -> dict[str, Placement]:
+    """The placements a prefetch hint (:func:`prefetch_hint`) names, by mm_hash.
+
+    Raises ConfigError naming what is malformed.
+    """
+    if len(data) > MAX_HINT_BYTES:
+        raise ConfigError(f"prefetch hint of {len(data)} bytes, more than {MAX_HINT_BYTES}")
+    try:
+        section = json.loads(data)
+    except ValueError as exc:
+        raise ConfigError(f"prefetch hint is not JSON: {exc}") from exc
+    return from_params({KEY: section})
+
+
 # --- The vLLM connector's side channel: typed messages ----------------------------------------
 # Orders go from vLLM's scheduler to every tensor-parallel worker, reports come back; one compact
 # JSON object a message, its ``op`` first. Both ends are processes of one engine (one release), so
@@ -170,8 +205,9 @@ class Cancel:
 
 @dataclass(frozen=True, slots=True)
 class PullDone:
-    """``rank`` holds the rows of ``ok`` (the job's identifiers); ``pulled`` items, ``nbytes``
-    bytes and ``seconds`` of it came over the wire (the rest from the client's local cache)."""
+    """``rank`` holds the rows of ``ok`` (the job's identifiers); ``pulled`` items and ``nbytes``
+    bytes of them came over the wire (the rest from the client's local cache), ``prefetched`` of
+    those by a prefetch hint's pull; the order took ``seconds``."""
 
     job: str
     rank: int
@@ -179,6 +215,7 @@ class PullDone:
     pulled: int
     nbytes: int
     seconds: float
+    prefetched: int = 0  # of ``pulled``, items a prefetch hint's pull had brought before the order came
     op: ClassVar[Op] = Op.DONE
 
 
@@ -262,7 +299,8 @@ def _pull_done(obj: Mapping[str, Any]) -> PullDone:
     if not all(isinstance(identifier, str) for identifier in ok):
         raise ConfigError(f"side-channel done message: 'ok' must be a list of identifiers, got {_brief(ok)}")
     return PullDone(_field(obj, "job", str), _field(obj, "rank", int), tuple(ok), _field(obj, "pulled", int),
-                    _field(obj, "nbytes", int), _field(obj, "seconds", float))
+                    _field(obj, "nbytes", int), _field(obj, "seconds", float),
+                    _field(obj, "prefetched", int) if "prefetched" in obj else 0)
 
 
 def _pull_failed(obj: Mapping[str, Any]) -> PullFailed:

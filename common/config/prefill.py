@@ -87,6 +87,11 @@ class PrefillConfig:
         help="vLLM connector only: while no other request runs, how long vLLM's scheduler waits for a "
              "request's pulls before it steps without it (it then runs the request in the same step instead "
              "of the next; requests arriving meanwhile wait at most this long). 0: never wait")
+    prefetch_blocks: int = setting(
+        64, env="EPD_PREFETCH_BLOCKS",
+        help="vLLM connector, worker path: blocks of rows each worker may pull ahead on prefetch hints (sent "
+             "by vLLM's API server when started with --middleware prefill_client.vllm.prefetch.EpdPrefetch) "
+             "and keep until the scheduler orders them; the oldest go first past it. 0: take no hints")
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
@@ -94,6 +99,7 @@ class PrefillConfig:
         require(bool(self.encoders), "encoders", self.encoders, "needs at least one target")
         require(bool(self.model_id), "model_id", self.model_id, "must be non-empty")
         require(self.prefault_mib >= 0, "prefault_mib", self.prefault_mib, "must be >= 0")
+        require(self.prefetch_blocks >= 0, "prefetch_blocks", self.prefetch_blocks, "must be >= 0")
         require(0 <= self.idle_pull_wait_ms <= 1000, "idle_pull_wait_ms", self.idle_pull_wait_ms,
                 "must be between 0 and 1000")
         for name in ("rpc_timeout_s", "pull_timeout_s", "landing_blocks", "local_cache_blocks",

@@ -111,6 +111,11 @@ class ProxyConfig:
         help="log one line per request answered, at INFO on the logger aiohttp.access: the caller's address, "
              "the request line, the status, the bytes sent, the seconds taken, the User-Agent and X-Request-Id "
              "(never another header's value, nor a body); true/false. Off, the proxy spends nothing on it")
+    prefetch_hints: bool = setting(
+        True, env="EPD_PROXY_PREFETCH_HINTS",
+        help="repeat a request's placements in its X-Epd-Prefetch header (at most 8 KiB, else none), so that a "
+             "vLLM started with --middleware prefill_client.vllm.prefetch.EpdPrefetch starts its pulls while it "
+             "still renders the request; a vLLM without it ignores the header. true/false")
     drain_grace_s: float = setting(
         20.0, env="EPD_PROXY_DRAIN_GRACE_S",
         help="on SIGTERM (or SIGINT) the proxy stops listening at once and gives the requests in flight, streams "

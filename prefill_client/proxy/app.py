@@ -36,6 +36,7 @@ from prefill_client.proxy.backends import (
     error_message,
     passed_headers,
     relayed_response,
+    with_hint,
 )
 from prefill_client.proxy.clients import Clients, new_client
 from prefill_client.proxy.disagg import Disaggregated
@@ -43,7 +44,7 @@ from prefill_client.proxy.errors import ENCODE_FAILURES, FIXED_MODEL_SOURCE, UNA
 from prefill_client.proxy.front import Front, count_media_parts, load_api_keys
 from prefill_client.proxy.media import MediaReader, cache_salt, video_fps
 from prefill_client.proxy.readiness import Readiness
-from prefill_client.proxy.rewrite import Part, rewrite
+from prefill_client.proxy.rewrite import Part, rewrite, this_turns
 from prefill_client.proxy.routing import affinity_key, make_policy
 
 logger = logging.getLogger(__name__)
@@ -174,9 +175,10 @@ class Proxy:
                 placements = await self._place(client, model, source, parts)
                 self._front.placed(placements)
                 rewrite(body, parts, placements, client)
+                hint = this_turns(body["messages"], parts, placements) if self.cfg.prefetch_hints else []
                 if self._disagg is not None:
-                    return await self._disagg.serve(body, request, client, placements)
-                return await self._forward("POST", CHAT_PATH, body, request, client, placements)
+                    return await self._disagg.serve(body, request, client, placements, hint=hint)
+                return await self._forward("POST", CHAT_PATH, body, request, client, placements, hint=hint)
         except HttpError as exc:
             return self._front.refusal(exc)
 
@@ -244,12 +246,15 @@ class Proxy:
 
     async def _forward(self, method: str, path: str, body: dict[str, Any] | None, request: web.Request,
                        client: EncoderCacheClient | None = None, placements: Sequence[Placement] = (), *,
-                       raw: bytes | None = None) -> web.StreamResponse:
+                       raw: bytes | None = None, hint: Sequence[Placement] = ()) -> web.StreamResponse:
         """Send the request to a backend and relay its answer; ``client`` placed the ``placements``.
-        ``raw``: the JSON bytes to send, ``body`` as the caller wrote it (else ``body`` is serialised)."""
+        ``raw``: the JSON bytes to send, ``body`` as the caller wrote it (else ``body`` is serialised);
+        ``hint``: the placements to name in its prefetch header."""
         session = self.session
         assert client is not None or not placements
         headers = passed_headers(request.headers)
+        if hint:
+            with_hint(headers, hint)
         data = raw if raw is not None or body is None else json.dumps(body).encode()
         if data is not None:
             headers["Content-Type"] = "application/json"

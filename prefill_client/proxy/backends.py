@@ -23,6 +23,7 @@ from aiohttp import web
 
 from common.errors import ConfigError
 from prefill_client.consumer.routing import file_targets, resolve_targets
+from prefill_client.handoff import PREFETCH_HEADER, Placement, prefetch_hint
 from prefill_client.proxy.errors import UNAVAILABLE, HttpError
 from prefill_client.proxy.routing import Policy, RoundRobin
 
@@ -227,6 +228,15 @@ def relayed_response(resp: aiohttp.ClientResponse) -> web.StreamResponse:
 def passed_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """The caller's headers a backend gets too (its credentials, its request id)."""
     return {k: v for k, v in headers.items() if k.lower() in _PASSED_HEADERS}
+
+
+def with_hint(headers: dict[str, str], placements: Sequence[Placement]) -> dict[str, str]:
+    """``headers`` with the placements' prefetch hint (:func:`prefill_client.handoff.prefetch_hint`)
+    when it fits; a caller's own ``X-Epd-Prefetch`` never gets this far (:func:`passed_headers`)."""
+    hint = prefetch_hint(placements)
+    if hint is not None:
+        headers[PREFETCH_HEADER] = hint
+    return headers
 
 
 def model_names(text: str) -> list[str] | None:

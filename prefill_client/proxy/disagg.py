@@ -42,7 +42,14 @@ from aiohttp import web
 from common.config import ProxyConfig
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.handoff import Placement
-from prefill_client.proxy.backends import CHAT_PATH, Backends, error_message, passed_headers, relayed_response
+from prefill_client.proxy.backends import (
+    CHAT_PATH,
+    Backends,
+    error_message,
+    passed_headers,
+    relayed_response,
+    with_hint,
+)
 from prefill_client.proxy.errors import SERVER_ERROR, UNAVAILABLE, HttpError
 from prefill_client.proxy.routing import affinity_key, make_policy
 
@@ -121,14 +128,17 @@ class Disaggregated:
         return aiohttp.ClientTimeout(total=self.cfg.backend_timeout_s, sock_connect=self.cfg.backend_connect_timeout_s)
 
     async def serve(self, body: dict[str, Any], request: web.Request, client: EncoderCacheClient | None = None,
-                    placements: Sequence[Placement] = (), *, path: str = CHAT_PATH) -> web.StreamResponse:
+                    placements: Sequence[Placement] = (), *, path: str = CHAT_PATH,
+                    hint: Sequence[Placement] = ()) -> web.StreamResponse:
         """Prefill ``body`` (rewritten; ``client`` placed its ``placements``), then decode it and relay the
-        answer; ``path``: the route both steps go to (a chat, or a text completion)."""
+        answer; ``path``: the route both steps go to (a chat, or a text completion); ``hint``: the
+        placements to name in the prefill's prefetch header (the decode pulls nothing)."""
         headers = passed_headers(request.headers)
         key = affinity_key(body)
         try:
             refuse_unsplittable(body)
-            prefilled = await self._prefill(path, body, headers, key, client, placements)
+            hinted = with_hint(dict(headers), hint) if hint else headers
+            prefilled = await self._prefill(path, body, hinted, key, client, placements)
         except BaseException:
             if client is not None:
                 client.release_placed(placements)  # no prefill pulls them now

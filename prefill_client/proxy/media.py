@@ -50,12 +50,13 @@ class MediaReader:
                 kind = part.get("type")
                 if kind == "image_url":
                     data = await self._read_url(_part_url(part, kind, label), label, session)
-                    parts.append(Part(content, p, label, MediaSpec.image(data, uuid=label, cache_salt=cache_salt)))
+                    parts.append(Part(content, p, label, MediaSpec.image(data, uuid=label, cache_salt=cache_salt),
+                                      message=m))
                 elif kind == "video_url":
                     frames = _video_frames(_part_url(part, kind, label), label)
                     # fps 0: the encoder keeps every frame, as vLLM does with a frame sequence.
                     spec = MediaSpec.video(frames, 0.0, uuid=label, cache_salt=cache_salt)
-                    parts.append(Part(content, p, label, spec, video_fps))
+                    parts.append(Part(content, p, label, spec, video_fps, message=m))
                 elif kind in ("input_audio", "audio_url"):
                     raise HttpError(400, f"{label}: {kind} parts are not supported by epd proxy (images and videos)")
         return parts

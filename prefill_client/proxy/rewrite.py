@@ -22,10 +22,13 @@ from prefill_client.handoff import Placement, with_placements
 
 
 class Part:
-    """A media part of a request, where it sits, and its bytes (a video: its frames and their rate)."""
+    """A media part of a request, where it sits (``message``: the index of its message), and its
+    bytes (a video: its frames and their rate)."""
 
-    def __init__(self, content: list[Any], index: int, label: str, spec: MediaSpec, fps: float = 0.0) -> None:
+    def __init__(self, content: list[Any], index: int, label: str, spec: MediaSpec, fps: float = 0.0,
+                 message: int = 0) -> None:
         self.content, self.index, self.label, self.spec, self.fps = content, index, label, spec, fps
+        self.message = message
 
     def rewritten(self, placed: Placement, *, ours: bool = False) -> dict[str, Any]:
         """The part as the backend gets it, named by ``uuid = mm_hash`` (the connector's identifier).
@@ -65,6 +68,16 @@ def rewrite(body: dict[str, Any], parts: Sequence[Part], placements: Sequence[Pl
         ours = conn is not None and conn.processor_is_ours
         part.content[part.index] = part.rewritten(placed, ours=ours)
     body["ec_transfer_params"] = with_placements(body.get("ec_transfer_params"), placements)
+
+
+def this_turns(messages: Sequence[Any], parts: Sequence[Part], placements: Sequence[Placement]) -> list[Placement]:
+    """The placements of the parts after the conversation's last assistant message: what this turn
+    adds, and what gets a prefetch hint. An earlier turn's media sit in the prompt's part that the
+    backend's prefix cache most likely holds (``--routing affinity`` keeps a conversation on one
+    backend), so vLLM would not ask for them: a prefetch of them would be a pull nobody uses."""
+    last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+               default=-1)
+    return [placed for part, placed in zip(parts, placements) if part.message > last]
 
 
 def _data_url(data: bytes) -> str:

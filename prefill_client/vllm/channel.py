@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100  # how often a worker's loop looks up from an idle socket (to notice close)
+HINT_QUEUE = 256  # prefetch hints a worker's socket queues before it drops new ones (hints are optional)
 
 
 def address(vllm_config: VllmConfig) -> str:
@@ -56,6 +57,12 @@ def address(vllm_config: VllmConfig) -> str:
     name = f"epd-ec-{vllm_config.instance_id}-dp{parallel.data_parallel_rank}"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     return f"ipc://{os.path.join(tempfile.gettempdir(), safe)}"
+
+
+def prefetch_address(channel_address: str, rank: int) -> str:
+    """Where tensor-parallel ``rank`` of the engine whose channel is ``channel_address`` takes
+    prefetch hints (:mod:`prefill_client.vllm.prefetch`): vLLM's API server sends them there."""
+    return f"{channel_address}-prefetch-tp{rank}"
 
 
 class SchedulerChannel:
@@ -137,10 +144,13 @@ class WorkerChannel:
     """A worker's end: a thread that hands each order to ``on_order`` and sends what :meth:`report` gets.
 
     ``on_order`` runs on that thread and must not block (it submits work). :meth:`report` may be
-    called from any thread: each thread gets its own in-process socket to the loop.
+    called from any thread: each thread gets its own in-process socket to the loop. With
+    ``on_hint``, the thread also takes prefetch hints (:func:`prefetch_address`) and hands each
+    one's bytes to it, on the same terms as ``on_order``.
     """
 
-    def __init__(self, addr: str, rank: int, on_order: Callable[[Order], None]) -> None:
+    def __init__(self, addr: str, rank: int, on_order: Callable[[Order], None],
+                 on_hint: Callable[[bytes], None] | None = None) -> None:
         self.rank = rank
         self._on_order = on_order
         self._ctx = zmq.Context()
@@ -152,6 +162,17 @@ class WorkerChannel:
         self._reports = self._ctx.socket(zmq.PULL)
         self._reports.setsockopt(zmq.LINGER, 0)
         self._reports.bind(self._inproc)
+        self._on_hint = on_hint
+        self._hints: zmq.Socket[Any] | None = None
+        if on_hint is not None:
+            self.hint_address = prefetch_address(addr, rank)
+            self._hints = self._ctx.socket(zmq.PULL)
+            self._hints.setsockopt(zmq.LINGER, 0)
+            self._hints.setsockopt(zmq.RCVHWM, HINT_QUEUE)
+            path = self.hint_address.removeprefix("ipc://")
+            if self.hint_address.startswith("ipc://") and os.path.exists(path):
+                os.unlink(path)  # left by an engine that died with our identity
+            self._hints.bind(self.hint_address)
         self._local = threading.local()
         self._senders: list[zmq.Socket[Any]] = []
         self._senders_lock = threading.Lock()
@@ -176,6 +197,8 @@ class WorkerChannel:
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._reports, zmq.POLLIN)
+        if self._hints is not None:
+            poller.register(self._hints, zmq.POLLIN)
         while not self._closed.is_set():
             try:
                 ready = dict(poller.poll(POLL_MS))
@@ -192,6 +215,8 @@ class WorkerChannel:
                         except zmq.Again:
                             break
                         self._take(data)
+                if self._hints is not None and self._hints in ready:
+                    self._take_hints(self._hints)
             except zmq.ZMQError as exc:
                 if self._closed.is_set():
                     return
@@ -210,6 +235,15 @@ class WorkerChannel:
         else:
             logger.error("EpdCacheConnector rank %d: unknown order %r", self.rank, msg.op.value)
 
+    def _take_hints(self, sock: zmq.Socket[Any]) -> None:
+        assert self._on_hint is not None
+        while True:
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_hint(data)
+
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=5 * POLL_MS / 1000)
@@ -218,4 +252,11 @@ class WorkerChannel:
                 sock.close(0)
         self._dealer.close(0)
         self._reports.close(0)
+        if self._hints is not None:
+            self._hints.close(0)
+            if self.hint_address.startswith("ipc://"):
+                try:
+                    os.unlink(self.hint_address.removeprefix("ipc://"))
+                except FileNotFoundError:
+                    pass
         self._ctx.term()

@@ -270,6 +270,7 @@ class WorkerPulls(PullTracker[str]):
         if report.rank == 0:  # every rank pulls the same bytes: the metrics count one rank's pulls
             self.metrics.pulls.inc(report.pulled)
             self.metrics.pull_bytes.inc(report.nbytes)
+            self.metrics.pulls_prefetched.inc(report.prefetched)
             if report.pulled:
                 self.metrics.pull_latency.observe(report.seconds)
         job.ok.add(report.rank)

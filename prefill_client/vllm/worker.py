@@ -9,7 +9,8 @@ Each puts this step's items into ``encoder_cache`` from the step's orders
   channel (:mod:`.channel`) with the client library (one block READ, one tag READ, the checks)
   into a landing pool registered with NIXL on its own device, checks each item's shape against
   the model, reports, and keeps the rows until the step that gathers them places them (or a
-  later step drops them).
+  later step drops them). An order whose items a prefetch hint pulled already takes those
+  (:mod:`.prefetch`).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from common.metrics import PrefillMetrics
 from prefill_client.handoff import Cancel, Order, PullDone, PullFailed, PullOrder
 from prefill_client.vllm.channel import WorkerChannel
 from prefill_client.vllm.items import PULL_THREADS, EngineFacts, StepOrders, check_rows, failure_of, worker_device
+from prefill_client.vllm.prefetch import Prefetches
 
 if TYPE_CHECKING:
     from common.config import PrefillConfig
     from prefill_client.consumer.client import EncoderCacheClient
+    from prefill_client.consumer.pull import PulledItem
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +82,10 @@ class WorkerLoader:
     """Worker side of the worker path: pulls what the scheduler orders into this rank's device."""
 
     def __init__(self, client: EncoderCacheClient, width: int | None, dtype: torch.dtype,
-                 channel_address: str, rank: int, device: torch.device, prefault_bytes: int = 0) -> None:
+                 channel_address: str, rank: int, device: torch.device, prefault_bytes: int = 0,
+                 prefetch_blocks: int = 0) -> None:
+        """``prefetch_blocks``: blocks of items pulled ahead on prefetch hints this rank keeps at
+        most (:class:`~.prefetch.Prefetches`); 0: it takes no hints."""
         self.client = client
         self.width = width
         self.dtype = dtype
@@ -92,7 +98,12 @@ class WorkerLoader:
         self._landed: dict[str, _Landed] = {}
         self._running: set[str] = set()
         self._cancelled: set[str] = set()
-        self.channel = WorkerChannel(channel_address, rank, self._order)
+        self.prefetches: Prefetches | None = None
+        if prefetch_blocks > 0:
+            self.prefetches = Prefetches(lambda placements: client.pull_placed(placements, keep_leases=True),
+                                         prefetch_blocks)
+        self.channel = WorkerChannel(channel_address, rank, self._order,
+                                     self.prefetches.hint if self.prefetches is not None else None)
 
     @classmethod
     def start(cls, cfg: PrefillConfig, engine: EngineFacts, rank: int) -> WorkerLoader:
@@ -102,7 +113,8 @@ class WorkerLoader:
         client = EncoderCacheClient.from_config(cfg, PrefillMetrics(), landing_device=device, probe_connections=True)
         logger.info("EpdCacheConnector worker rank %d: pulls into %s, landing pool of %d blocks", rank, device,
                     cfg.landing_blocks)
-        return cls(client, engine.width, engine.dtype, engine.channel, rank, device, cfg.prefault_mib << 20)
+        return cls(client, engine.width, engine.dtype, engine.channel, rank, device, cfg.prefault_mib << 20,
+                   cfg.prefetch_blocks)
 
     def _prefault(self, nbytes: int) -> None:
         """Start every pull thread, each mapping its share of ``nbytes`` for the rows it will gather
@@ -168,8 +180,12 @@ class WorkerLoader:
 
     def _pull(self, order: PullOrder) -> None:
         started = time.perf_counter()
+        ahead: dict[str, PulledItem] = {}
         try:
-            pulled = self.client.pull_placed(list(order.placements), keep_leases=True) if order.placements else []
+            rest = list(order.placements)
+            if self.prefetches is not None and rest:
+                ahead, rest = self.prefetches.claim(rest, self.client.pull_timeout_s)
+            pulled = [*ahead.values(), *(self.client.pull_placed(rest, keep_leases=True) if rest else [])]
             got = {item.mm_hash: item.embeddings for item in pulled}
             check_rows(order.expect, got, self.width)
             rows = {identifier: got[identifier].to(device=self.device, dtype=self.dtype) for identifier in order.expect}
@@ -189,11 +205,14 @@ class WorkerLoader:
             for identifier, r in rows.items():
                 self._landed[identifier] = _Landed(order.job, r)
         fetched = [item for item in pulled if item.source != "local"]
+        prefetched = sum(item.source != "local" for item in ahead.values())
         self.channel.report(PullDone(order.job, self.rank, tuple(rows), len(fetched),
                                      sum(item.embeddings.numel() * item.embeddings.element_size() for item in fetched),
-                                     time.perf_counter() - started))
+                                     time.perf_counter() - started, prefetched))
 
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)
         self.channel.close()
+        if self.prefetches is not None:
+            self.prefetches.close()
         self.client.close()

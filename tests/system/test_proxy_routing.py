@@ -21,7 +21,16 @@ from epd_harness.media import image_url
 from epd_harness.ports import free_port
 from epd_harness.procs import EncoderProcess, launch_encoder
 from epd_harness.qwen3vl import write_qwen3vl_checkpoint
-from epd_harness.vllm import Server, connector_config, launch_vllm, start_proxy, stop_vllm, vllm_missing, wait_vllm
+from epd_harness.vllm import (
+    Server,
+    connector_config,
+    consumer_args,
+    launch_vllm,
+    start_proxy,
+    stop_vllm,
+    vllm_missing,
+    wait_vllm,
+)
 from tests.support.scrape import scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -54,7 +63,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                             "--port", str(free_port()))
     config = connector_config([launch.target], MODEL, metrics_port=-1)
     backends = [launch_vllm(checkpoint, tmp / f"vllm-{i}.log", "--served-model-name", MODEL,
-                            "--ec-transfer-config", config, cpu_core=i, log_stats=True) for i in range(2)]
+                            *consumer_args(config), cpu_core=i, log_stats=True) for i in range(2)]
     proxy: Server | None = None
     try:
         encoder = launch.wait()

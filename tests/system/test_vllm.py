@@ -146,6 +146,10 @@ def _pulls(stack: Stack) -> float:
     return scrape(stack.connector_metrics_port).get("epd_pulls_total")
 
 
+def _prefetched(stack: Stack) -> float:
+    return scrape(stack.connector_metrics_port).get("epd_pulls_prefetched_total")
+
+
 def _load_failures(stack: Stack) -> float:
     return sum(v for k, v in scrape(stack.connector_metrics_port).samples.items()
                if k.startswith("epd_ec_load_failures_total"))
@@ -169,13 +173,20 @@ def test_outputs_through_proxy_equal_plain_vllm(stack: Stack) -> None:
         ("no image", [], "hello there"),
     ]
     pulls_before = _pulls(stack)
+    prefetched_before = _prefetched(stack)
     expired_before = scrape(stack.encoder.metrics_port).get("epd_encoder_leases_expired_total")
     worst = 0.0
     for what, urls, text in cases:
         body = chat_body(MODEL, urls, text, max_tokens=10)
         worst = max(worst, _assert_same(_post(stack.proxy.url, body), _post(stack.baseline.url, body), what))
     # Every new image was pulled over NIXL by the connector, verified (the repeats may be vLLM's own cache hits).
-    assert _pulls(stack) - pulls_before >= 6
+    pulled = _pulls(stack) - pulls_before
+    assert pulled >= 6
+    # The workers started those pulls on the proxy's prefetch hints (vLLM runs the prefetch middleware):
+    # the same tokens as plain vLLM either way.
+    prefetched = _prefetched(stack) - prefetched_before
+    assert 1 <= prefetched <= pulled
+    print(f"{prefetched:.0f} of {pulled:.0f} pulls prefetched")
     assert _load_failures(stack) == 0
     # Every lease the proxy took was given back once its rows were in: none runs to its ttl.
     time.sleep(LEASE_TTL_MS / 1000 + 0.5)

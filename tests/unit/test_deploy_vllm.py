@@ -8,6 +8,7 @@ pieces use to reach each other is the one the other side listens on.
 
 from __future__ import annotations
 
+import importlib
 import json
 import tomllib
 from pathlib import Path
@@ -23,6 +24,7 @@ from common.config import (
     build_from_mapping,
     iter_settings,
 )
+from prefill_client.vllm.prefetch import MIDDLEWARE as PREFETCH_MIDDLEWARE
 from tests.unit import deploy_helpers as dh
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,6 +82,9 @@ def test_vllm_runs_the_connector_with_settings_that_match_the_encoders(rendered:
     assert ec["ec_role"] == "ec_consumer"
     source = (REPO / Path(*ec["ec_connector_module_path"].split("."))).with_suffix(".py")
     assert f"class {ec['ec_connector']}(ECConnectorBase)" in source.read_text()
+    # vLLM's API server runs the middleware that hands the proxy's prefetch hints to the workers.
+    module, name = _arg(args, "--middleware").rsplit(".", 1)
+    assert _arg(args, "--middleware") == PREFETCH_MIDDLEWARE and callable(getattr(importlib.import_module(module), name))
     # What the connector builds: its extra config, else the pod's EPD_* variables.
     cfg = build_from_mapping(PrefillConfig, ec.get("ec_connector_extra_config", {}), "test", env.values)
     sts, enc_ctr, enc_env = _workload(rendered, "StatefulSet", "epd-encoder", "encoder")

@@ -39,7 +39,7 @@ from common.errors import (
 )
 from common.wire import pb2
 from prefill_client.consumer.connection import MediaSpec
-from prefill_client.handoff import Placement, from_params
+from prefill_client.handoff import PREFETCH_HEADER, Placement, from_hint, from_params
 from prefill_client.proxy.app import Proxy
 from prefill_client.proxy.clients import MAX_MODELS
 from prefill_client.proxy.media import b64decode
@@ -168,6 +168,50 @@ def test_images_become_embeds_parts_with_their_locations() -> None:
     assert len(client.placed) == 1 and len(client.placed[0]) == 3
     assert client.released == []
     assert sent["messages"][0] == {"role": "system", "content": "be brief"}
+
+
+@pytest.mark.parametrize("hints", [True, False])
+def test_the_placements_go_in_the_prefetch_header_too_unless_turned_off(hints: bool) -> None:
+    got: list[str | None] = []
+
+    async def backend(request: web.Request) -> web.StreamResponse:
+        got.append(request.headers.get(PREFETCH_HEADER))
+        return await _ok(request)
+
+    status, _, _, seen = asyncio.run(_run(FakeClient(), backend, _chat(_image(_data_url()), _image(_data_url(b"x"))),
+                                          cfg={"prefetch_hints": hints}))
+    assert status == 200
+    (header,) = got
+    if hints:
+        assert header is not None and from_hint(header.encode()) == from_params(seen[0]["ec_transfer_params"])
+    else:
+        assert header is None
+    got.clear()
+    status, _, _, _ = asyncio.run(_run(FakeClient(), backend, _chat()))  # nothing placed: no hint
+    assert status == 200 and got == [None]
+
+
+def test_an_earlier_turns_images_get_no_prefetch_hint() -> None:
+    got: list[str | None] = []
+
+    async def backend(request: web.Request) -> web.StreamResponse:
+        got.append(request.headers.get(PREFETCH_HEADER))
+        return await _ok(request)
+
+    first, second = _data_url(b"first turn's image"), _data_url(b"second turn's image")
+    turn = {"role": "user", "content": [_image(first), {"type": "text", "text": "what is it?"}]}
+    answer = {"role": "assistant", "content": "a cat"}
+    again = {"model": "m", "messages": [turn, answer, {"role": "user", "content": "and its colour?"}]}
+    status, _, _, seen = asyncio.run(_run(FakeClient(), backend, again))
+    assert status == 200 and got == [None] and from_params(seen[0]["ec_transfer_params"])  # placed, not hinted
+    got.clear()
+    new = {"model": "m", "messages": [turn, answer, {"role": "user", "content": [_image(second), _image(first)]}]}
+    status, _, _, seen = asyncio.run(_run(FakeClient(), backend, new))
+    parts = seen[0]["messages"][2]["content"]
+    assert status == 200 and got[0] is not None
+    # This turn's two images (the first one again, too), not the earlier turn's own part.
+    assert set(from_hint(got[0].encode())) == {parts[0]["uuid"], parts[1]["uuid"]}
+    assert len(from_params(seen[0]["ec_transfer_params"])) == 2
 
 
 @pytest.mark.parametrize("error, status, words", [

@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from common.config import ProxyConfig, build
 from common.errors import ConfigError
+from prefill_client.handoff import PREFETCH_HEADER, from_hint, from_params
 from prefill_client.proxy.app import Proxy
 from prefill_client.proxy.disagg import decode_body, kv_params, prefill_body
 from prefill_client.proxy.readiness import Readiness, Side
@@ -97,6 +98,21 @@ def test_prefill_then_decode_with_the_prefills_kv_params() -> None:
     part = dec["messages"][1]["content"][0]
     assert part["type"] == "image_embeds" and part["uuid"]
     assert client.released == []  # the prefill's connector releases the leases it pulled
+
+
+def test_only_the_prefill_gets_the_prefetch_hint() -> None:
+    hints: dict[str, str | None] = {}
+
+    def noting(step: str, handler: Handler) -> Handler:
+        async def note(request: web.Request) -> web.StreamResponse:
+            hints[step] = request.headers.get(PREFETCH_HEADER)
+            return await handler(request)
+        return note
+
+    status, _, (prefilled,), _ = asyncio.run(_run(FakeClient(), [noting("prefill", _prefilled)],
+                                                  [noting("decode", _decoded)], _chat(_image(_data_url()))))
+    assert status == 200 and hints["decode"] is None and hints["prefill"] is not None
+    assert from_hint(hints["prefill"].encode()) == from_params(prefilled[0]["ec_transfer_params"])
 
 
 def test_text_only_requests_are_split_too() -> None:

@@ -20,12 +20,12 @@ from common.errors import ECLoadFailure, LoadFailureReason
 from common.metrics import PrefillMetrics
 from common.wire import pb2
 from prefill_client.consumer.client import PulledItem
-from prefill_client.handoff import Placement, to_params
+from prefill_client.handoff import Placement, prefetch_hint, to_params
 
 pytest.importorskip("vllm", reason="the connector module imports vLLM")
-pytest.importorskip("zmq", reason="the connector's channel is ZeroMQ")
+zmq = pytest.importorskip("zmq", reason="the connector's channel is ZeroMQ")
 
-from prefill_client.vllm.channel import SchedulerChannel  # noqa: E402
+from prefill_client.vllm.channel import SchedulerChannel, prefetch_address  # noqa: E402
 from prefill_client.vllm.connector import EpdCacheConnectorMetadata  # noqa: E402
 from prefill_client.vllm.scheduler import WorkerPulls  # noqa: E402
 from prefill_client.vllm.worker import WorkerLoader  # noqa: E402
@@ -50,6 +50,7 @@ class RankClient:
     width: int = WIDTH
     pulls: list[list[str]] = field(default_factory=list)
     kept: list[bool] = field(default_factory=list)
+    pull_timeout_s: float = 2.0
 
     def pull_placed(self, placements: Sequence[Placement], *, keep_leases: bool = False) -> list[PulledItem]:
         self.pulls.append([p.mm_hash for p in placements])
@@ -105,13 +106,14 @@ class Engine:
 
 
 def _engine(tmp_path: Path, rows: dict[str, int], ranks: int = 2, landing_blocks: int = 256,
-            job_deadline_s: float | None = None, idle_wait_s: float = 0.0) -> Engine:
+            job_deadline_s: float | None = None, idle_wait_s: float = 0.0, prefetch_blocks: int = 0) -> Engine:
     addr = f"ipc://{tmp_path}/ch"
     tracker = TrackerClient(set(rows))
     side = WorkerPulls(tracker, SchedulerChannel(addr, ranks), landing_blocks,  # type: ignore[arg-type]
                        job_deadline_s, idle_wait_s)
     clients = [RankClient(dict(rows)) for _ in range(ranks)]
-    loaders = [WorkerLoader(c, WIDTH, torch.float32, addr, rank, torch.device("cpu"))  # type: ignore[arg-type]
+    loaders = [WorkerLoader(c, WIDTH, torch.float32, addr, rank, torch.device("cpu"),  # type: ignore[arg-type]
+                            prefetch_blocks=prefetch_blocks)
                for rank, c in enumerate(clients)]
     assert _until(lambda: (side.progress(), side.channel.ready)[1]), "workers never joined"
     return Engine(side, tracker, clients, loaders)
@@ -483,3 +485,66 @@ def test_each_pull_thread_maps_its_share_of_memory_for_rows_on_a_host_device(
     finally:
         loader.close()
         side.close()
+
+
+def _send_hint(tmp_path: Path, ranks: int, placements: Sequence[Placement]) -> None:
+    """What vLLM's API server does with a request's X-Epd-Prefetch: its bytes to every rank."""
+    hint = prefetch_hint(placements)
+    assert hint is not None
+    ctx = zmq.Context()
+    try:
+        for rank in range(ranks):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(prefetch_address(f"ipc://{tmp_path}/ch", rank))
+            sock.send(hint.encode())
+            sock.close()
+    finally:
+        ctx.term()
+
+
+def test_an_order_takes_the_rows_a_hint_pulled_on_every_rank(tmp_path: Path, engines: list[Engine]) -> None:
+    e = _engine(tmp_path, {"a": 4, "b": 6}, prefetch_blocks=64)
+    engines.append(e)
+    placed = [_placement("a", 4), _placement("b", 6, lease_id=12)]
+    e.open_all()
+    _send_hint(tmp_path, 2, placed)
+    assert _until(lambda: all(r.pulls == [["a", "b"]] for r in e.ranks)), "a rank never took the hint"
+    assert all(r.kept == [True] for r in e.ranks)  # a prefetch never gives a lease back
+    req = _request("r1", [("a", 4), ("b", 6)], to_params(placed))
+    assert _until(lambda: e.side.ensure(req, 0))
+    assert all(r.pulls == [["a", "b"]] for r in e.ranks)  # the order pulled nothing more
+    assert e.side.metrics.pulls_prefetched._value.get() == 2
+    assert e.side.metrics.pulls._value.get() == 2  # still counted as pulls (over the wire, ahead of time)
+    assert _until(lambda: sorted(e.tracker.released) == ["a", "b"])  # the scheduler's job gives them back, once
+    for ident in ("a", "b"):
+        e.side.allocated(ident)
+    for loader in e.loaders:
+        cache: dict[str, torch.Tensor] = {}
+        loader.place(e.side.take_step().place or ["a", "b"], cache)
+        assert cache["a"].shape == (4, WIDTH) and cache["b"].shape == (6, WIDTH)
+        assert loader.prefetches is not None and len(loader.prefetches) == 0
+
+
+def test_a_hint_for_another_lease_or_of_the_wrong_shape_changes_nothing(tmp_path: Path,
+                                                                        engines: list[Engine]) -> None:
+    e = _engine(tmp_path, {"a": 4, "b": 5}, prefetch_blocks=64)
+    engines.append(e)
+    e.open_all()
+    _send_hint(tmp_path, 2, [_placement("a", 4, lease_id=99), _placement("b", 5)])
+    assert _until(lambda: all(len(r.pulls) == 1 for r in e.ranks))
+    # "a" under the lease the proxy handed on: pulled by the order; "b" prefetched, but the prompt has 6 rows for it
+    req = _request("r1", [("a", 4), ("b", 6)], to_params([_placement("a", 4), _placement("b", 5)]))
+    assert not e.side.ensure(req, 0)
+    assert _until(lambda: req.request_id in e.side.take_unavailable())
+    assert all(r.pulls[1:] == [["a"]] for r in e.ranks)
+    assert e.side.metrics.load_failures.labels(reason="token_count")._value.get() == 1
+    assert not e.side.has("a") and not e.side.has("b")
+
+
+def test_workers_without_prefetch_take_no_hints(tmp_path: Path, engines: list[Engine]) -> None:
+    e = _engine(tmp_path, {"a": 4})
+    engines.append(e)
+    e.open_all()
+    assert all(loader.prefetches is None for loader in e.loaders)
+    assert not Path(prefetch_address(f"ipc://{tmp_path}/ch", 0).removeprefix("ipc://")).exists()
