@@ -13,6 +13,7 @@ worker path, :mod:`.scheduler`) and waits for every rank's rows. With it:
    are, to each tensor-parallel worker of its engine over ZeroMQ (one ``PUSH`` per rank to the
    address :func:`~.channel.prefetch_address` names) and hands the request on unchanged; it
    parses nothing and never waits;
+   A request vLLM's key check will refuse (``--api-key``) sends none.
 3. each worker (:class:`Prefetches`, part of :class:`~.worker.WorkerLoader`) pulls those
    placements on threads of its own and keeps the pulled items, by placement, until the
    scheduler's order for them comes; the order then takes them instead of pulling (waiting for a
@@ -34,7 +35,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hashlib
+import hmac
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -195,8 +199,9 @@ class EpdPrefetch:
 
     def __init__(self, app: Callable[..., Any]) -> None:
         self.app = app
-        self._sockets: list[Any] | None = None  # built at the first hint: the engine's config is known then
+        self._sockets: list[Any] | None = None  # built at start-up (or the first hint): the engine's config is known then
         self._ctx: Any = None
+        self._keys: list[bytes] = []  # SHA-256 of vLLM's API keys: a hint goes only with a request vLLM will take
         self.sent = 0
         self.dropped = 0
 
@@ -204,15 +209,15 @@ class EpdPrefetch:
         if scope.get("type") == "lifespan" and self._sockets is None:
             self._connect(scope)  # at start-up, so that the first request's hint finds the connections made
         elif scope.get("type") == "http" and scope.get("method") == "POST":
-            for name, value in scope.get("headers", ()):
-                if name == _HEADER:
-                    self._send(scope, value)
-                    break
+            headers = dict(scope.get("headers", ()))
+            hint = headers.get(_HEADER)
+            if hint is not None:
+                self._send(scope, hint, headers.get(b"authorization", b""))
         await self.app(scope, receive, send)
 
-    def _send(self, scope: dict[str, Any], hint: bytes) -> None:
+    def _send(self, scope: dict[str, Any], hint: bytes, authorization: bytes) -> None:
         sockets = self._sockets if self._sockets is not None else self._connect(scope)
-        if not sockets:
+        if not sockets or not self._authorized(authorization):
             return
         import zmq
 
@@ -223,11 +228,32 @@ class EpdPrefetch:
             except zmq.ZMQError:  # no worker connected on that rank, or its queue is full
                 self.dropped += 1
 
+    def _authorized(self, authorization: bytes) -> bool:
+        """Whether vLLM takes a request of this ``Authorization``. vLLM adds its key check before the
+        middleware given with ``--middleware``, so this one runs first and checks the same way: with
+        ``--api-key`` (or ``VLLM_API_KEY``) only ``Bearer KEY`` of one of its keys (SHA-256 digests, every
+        key each time); a request vLLM will refuse sends no hint."""
+        if not self._keys:
+            return True
+        scheme, _, token = authorization.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(token.encode("utf-8")).digest()
+        match = False
+        for key in self._keys:
+            match |= hmac.compare_digest(digest, key)
+        return match
+
     def _connect(self, scope: dict[str, Any]) -> list[Any]:
         """One PUSH per tensor-parallel rank of the app's engine (none, said once, when it cannot tell)."""
         self._sockets = []
         app = scope.get("app")
-        config = getattr(getattr(app, "state", None), "vllm_config", None)
+        state = getattr(app, "state", None)
+        config = getattr(state, "vllm_config", None)
+        args = getattr(state, "args", None)
+        given = getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]
+        keys = [k for k in ([given] if isinstance(given, str) else given) if k]
+        self._keys = [hashlib.sha256(k.encode("utf-8")).digest() for k in keys]
         if config is None:
             logger.warning("EpdPrefetch: the app has no state.vllm_config (not vLLM's API server?): no prefetch hints")
             return self._sockets

@@ -203,7 +203,8 @@ def test_the_hint_is_the_placements_and_a_callers_own_header_never_passes() -> N
 # --- the API server's middleware -------------------------------------------------------------
 
 
-def _app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int = 2, dp: int = 1) -> tuple[EpdPrefetch, list[Any]]:
+def _app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int = 2, dp: int = 1,
+         api_key: list[str] | None = None) -> tuple[EpdPrefetch, list[Any]]:
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -214,12 +215,14 @@ def _app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int = 2, dp: int =
 
     config = SimpleNamespace(instance_id="7", parallel_config=SimpleNamespace(
         data_parallel_rank=0, data_parallel_size=dp, tensor_parallel_size=tp))
-    app.state = SimpleNamespace(vllm_config=config)  # type: ignore[attr-defined]
+    app.state = SimpleNamespace(vllm_config=config, args=SimpleNamespace(api_key=api_key))  # type: ignore[attr-defined]
     return EpdPrefetch(app), calls
 
 
-def _scope(app: Any, method: str = "POST", hint: bytes | None = None) -> dict[str, Any]:
+def _scope(app: Any, method: str = "POST", hint: bytes | None = None, key: str | None = None) -> dict[str, Any]:
     headers = [(b"content-type", b"application/json")]
+    if key is not None:
+        headers.append((b"authorization", f"Bearer {key}".encode()))
     if hint is not None:
         headers.append((PREFETCH_HEADER.lower().encode(), hint))
     return {"type": "http", "method": method, "path": "/v1/chat/completions", "headers": headers, "app": app}
@@ -280,3 +283,28 @@ def test_the_middleware_never_blocks_without_workers_nor_hints_several_engines(
     several, calls = _app(tmp_path, monkeypatch, dp=2)
     asyncio.run(several(_scope(several.app, hint=_hint(_placement("a"))), None, None))
     assert len(calls) == 1 and several.sent == several.dropped == 0
+
+
+def test_the_middleware_sends_no_hint_for_a_request_vllms_key_check_refuses(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    middleware, calls = _app(tmp_path, monkeypatch, tp=1, api_key=["k1", "k2"])
+    ctx, (sock,) = _ranks(1)
+    try:
+        asyncio.run(middleware({"type": "lifespan", "app": middleware.app}, None, None))
+        hint = _hint(_placement("a"))
+        for key in (None, "wrong", "k1x"):  # refused by vLLM: no pull for them
+            asyncio.run(middleware(_scope(middleware.app, hint=hint, key=key), None, None))
+        assert middleware.sent == middleware.dropped == 0 and len(calls) == 4  # each passed on: vLLM answers 401
+        deadline = time.monotonic() + 10
+        while middleware.sent < 1 and time.monotonic() < deadline:
+            asyncio.run(middleware(_scope(middleware.app, hint=hint, key="k2"), None, None))
+            time.sleep(0.01)
+        assert sock.poll(5000) and sock.recv() == hint
+    finally:
+        sock.close(0)
+        ctx.term()
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")  # no --api-key: vLLM's variable, as vLLM reads it
+    env_only, _ = _app(tmp_path, monkeypatch, tp=1)
+    asyncio.run(env_only(_scope(env_only.app, hint=_hint(_placement("a")), key="nope"), None, None))
+    assert env_only._keys and not env_only._authorized(b"Bearer nope") and env_only._authorized(b"Bearer from-env")
