@@ -65,6 +65,21 @@ def prefetch_address(channel_address: str, rank: int) -> str:
     return f"{channel_address}-prefetch-tp{rank}"
 
 
+def _bind_anew(sock: zmq.Socket[Any], addr: str) -> None:
+    """Bind ``sock`` to ``addr``, first removing the socket file an engine that died with the same
+    identity left there (``ipc://``)."""
+    _remove_socket_file(addr)
+    sock.bind(addr)
+
+
+def _remove_socket_file(addr: str) -> None:
+    if addr.startswith("ipc://"):
+        try:
+            os.unlink(addr.removeprefix("ipc://"))
+        except FileNotFoundError:
+            pass
+
+
 class SchedulerChannel:
     """The scheduler's end: knows which ranks joined, sends orders to all of them, collects reports.
 
@@ -78,10 +93,7 @@ class SchedulerChannel:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        path = addr.removeprefix("ipc://")
-        if addr.startswith("ipc://") and os.path.exists(path):
-            os.unlink(path)  # a socket file left by an engine that died with our identity
-        self._sock.bind(addr)
+        _bind_anew(self._sock, addr)
         self._peers: dict[int, bytes] = {}
 
     @property
@@ -132,12 +144,7 @@ class SchedulerChannel:
     def close(self) -> None:
         self._sock.close(0)
         self._ctx.term()
-        path = self.address.removeprefix("ipc://")
-        if self.address.startswith("ipc://"):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        _remove_socket_file(self.address)
 
 
 class WorkerChannel:
@@ -169,10 +176,7 @@ class WorkerChannel:
             self._hints = self._ctx.socket(zmq.PULL)
             self._hints.setsockopt(zmq.LINGER, 0)
             self._hints.setsockopt(zmq.RCVHWM, HINT_QUEUE)
-            path = self.hint_address.removeprefix("ipc://")
-            if self.hint_address.startswith("ipc://") and os.path.exists(path):
-                os.unlink(path)  # left by an engine that died with our identity
-            self._hints.bind(self.hint_address)
+            _bind_anew(self._hints, self.hint_address)
         self._local = threading.local()
         self._senders: list[zmq.Socket[Any]] = []
         self._senders_lock = threading.Lock()
@@ -254,9 +258,5 @@ class WorkerChannel:
         self._reports.close(0)
         if self._hints is not None:
             self._hints.close(0)
-            if self.hint_address.startswith("ipc://"):
-                try:
-                    os.unlink(self.hint_address.removeprefix("ipc://"))
-                except FileNotFoundError:
-                    pass
+            _remove_socket_file(self.hint_address)
         self._ctx.term()
