@@ -37,9 +37,9 @@ two sides alternate in ``--rounds`` (A B, then B A, ...), so a slow moment of th
   request of the same prompt length in tokens (the text padded): the TTFT p50 an image adds, and
   where each kind's time goes (``breakdown_mean_ms``, from the proxy's, vLLM's and the
   connector's own /metrics read around each request: :class:`Breakdown`). After each pair, the
-  same image again with other text (``image_in_vllm``): vLLM's encoder cache holds its rows
-  then, so nothing is pulled (the prompt, under one 128-token block, hits no prefix cache):
-  what the image adds with the pull out of the way. Then another held image through a second
+  same image again with other text (``image_in_vllm``): the connector's worker holds its rows
+  then, so nothing is transferred (the prompt, under one 128-token block, hits no prefix cache):
+  what the image adds with the transfer out of the way. Then another held image through a second
   proxy before ``A`` that sends no prefetch hints (``image_cached_unhinted``): the pull starts
   only when vLLM's scheduler orders it, as without :mod:`prefill_client.vllm.prefetch`;
 - ``v`` vLLM's own benchmark client, ``vllm bench serve --backend openai-chat``, instead of the
@@ -243,8 +243,9 @@ class Breakdown:
     each request (one in flight; each read waits until vLLM has counted the request), over one HTTP
     client kept open, Python's garbage collected before each request is sent: the proxy's
     encode phase and its wait for the backend's first byte, vLLM's queue and prefill time and its own
-    TTFT (from the moment its API server starts rendering the chat), the connector's pulls, and the
-    client's TTFT. Means per kind of request, in milliseconds."""
+    TTFT (from the moment its API server starts rendering the chat), the connector's pulls, the
+    items its orders found prefetched, and the client's TTFT. Means per kind of request, in
+    milliseconds (``prefetched``: items)."""
 
     FIGURES = {  # figure: (whose /metrics, the metric whose sum it is)
         "proxy_encode": ("proxy", "epd_proxy_encode_latency_seconds_sum"),
@@ -253,13 +254,13 @@ class Breakdown:
         "vllm_queue": ("vllm", "vllm:request_queue_time_seconds_sum"),
         "vllm_prefill": ("vllm", "vllm:request_prefill_time_seconds_sum"),
         "pull": ("connector", "epd_pull_latency_seconds_sum"),
-        "prefetched": ("connector", "epd_pulls_prefetched_total"),  # a count, not seconds (shown x 1000)
+        "prefetched": ("connector", "epd_pulls_prefetched_total"),  # items a request's order found prefetched
     }
+    COUNTS = {"prefetched"}  # figures that are counts, not seconds: their means are per request
     COUNTED = "vllm:time_to_first_token_seconds_count"  # vLLM has counted a request's first token
 
     def __init__(self, stack: Stack) -> None:
-        self.urls = {"proxy": stack.proxies["proxy"].url, "vllm": stack.consumers[0].url,
-                     "connector": stack.connector_metrics[0]}
+        self.urls = {"vllm": stack.consumers[0].url, "connector": stack.connector_metrics[0]}
         self.proxies = {name: server.url for name, server in stack.proxies.items()}
         self.sums: dict[str, dict[str, float]] = {}
         self.counts: dict[str, int] = {}
@@ -299,7 +300,8 @@ class Breakdown:
         return got
 
     def means(self) -> dict[str, dict[str, float]]:
-        return {kind: {figure: round(total * 1e3 / self.counts[kind], 2) for figure, total in sums.items()}
+        return {kind: {figure: round(total * (1 if figure in self.COUNTS else 1e3) / self.counts[kind], 2)
+                       for figure, total in sums.items()}
                 for kind, sums in self.sums.items()}
 
 
@@ -330,7 +332,7 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
             tokens = image.samples[0].prompt_tokens
             text = await parts.measure("text_same_length", measure_set(
                 side, [text_message(f"e-{i}", tokens - overhead)], 1, args.max_tokens))
-            # The same image again: vLLM's own encoder cache has its rows now, so nothing is pulled.
+            # The same image again: vLLM asks for its rows, but the worker's client holds them: no transfer.
             again = await parts.measure("image_in_vllm", measure_set(
                 side, [image_message(url, IMAGE_TEXT_AGAIN)], 1, args.max_tokens))
             # Another held image through the proxy that sends no prefetch hint: its pull starts when
