@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -62,21 +62,27 @@ def _settled(calls: int, pull: Puller) -> None:
         time.sleep(0.002)
 
 
-def test_an_order_takes_what_a_hint_pulled_for_the_same_placement() -> None:
+@pytest.fixture
+def store() -> Iterator[tuple[Puller, Prefetches]]:
+    """A worker's store of prefetches and its pull (whose gate the test may close), closed at the end."""
     pull = Puller()
-    store = Prefetches(pull, max_blocks=64)
-    try:
-        a, b = _placement("a"), _placement("b", lease_id=12)
-        store.hint(_hint(a, b))
-        _settled(1, pull)
-        got, rest = store.claim([a, b], wait_s=5)
-        assert pull.calls == [["a", "b"]] and rest == []
-        assert torch.equal(got["a"].embeddings, torch.full((4, 8), 11.0))
-        assert torch.equal(got["b"].embeddings, torch.full((4, 8), 12.0))
-        assert len(store) == 0 and store.blocks == 0  # taken once: forgotten
-        assert store.claim([a], wait_s=5) == ({}, [a])
-    finally:
-        store.close()
+    made = Prefetches(pull, max_blocks=64)
+    yield pull, made
+    pull.gate.set()
+    made.close()
+
+
+def test_an_order_takes_what_a_hint_pulled_for_the_same_placement(store: tuple[Puller, Prefetches]) -> None:
+    pull, ahead = store
+    a, b = _placement("a"), _placement("b", lease_id=12)
+    ahead.hint(_hint(a, b))
+    _settled(1, pull)
+    got, rest = ahead.claim([a, b], wait_s=5)
+    assert pull.calls == [["a", "b"]] and rest == []
+    assert torch.equal(got["a"].embeddings, torch.full((4, 8), 11.0))
+    assert torch.equal(got["b"].embeddings, torch.full((4, 8), 12.0))
+    assert len(ahead) == 0 and ahead.blocks == 0  # taken once: forgotten
+    assert ahead.claim([a], wait_s=5) == ({}, [a])
 
 
 @pytest.mark.parametrize("other", [
@@ -85,75 +91,57 @@ def test_an_order_takes_what_a_hint_pulled_for_the_same_placement() -> None:
     _placement("a", blocks=3),  # other blocks
     Placement("a", "127.0.0.1:50052", "inc-1", _placement("a").location),  # another encoder
 ])
-def test_an_order_for_another_placement_of_the_item_pulls_by_itself(other: Placement) -> None:
-    pull = Puller()
-    store = Prefetches(pull, max_blocks=64)
-    try:
-        store.hint(_hint(_placement("a")))
-        _settled(1, pull)
-        assert store.claim([other], wait_s=5) == ({}, [other])
-        assert len(store) == 1  # the hint's own placement is still kept (for its own order, or until it expires)
-    finally:
-        store.close()
+def test_an_order_for_another_placement_of_the_item_pulls_by_itself(other: Placement,
+                                                                    store: tuple[Puller, Prefetches]) -> None:
+    pull, ahead = store
+    ahead.hint(_hint(_placement("a")))
+    _settled(1, pull)
+    assert ahead.claim([other], wait_s=5) == ({}, [other])
+    assert len(ahead) == 1  # the hint's own placement is still kept (for its own order, or until it expires)
 
 
-def test_a_failed_prefetch_leaves_the_order_to_pull_and_a_running_one_is_waited_for() -> None:
-    pull = Puller()
+def test_a_failed_prefetch_leaves_the_order_to_pull_and_a_running_one_is_waited_for(
+        store: tuple[Puller, Prefetches]) -> None:
+    pull, ahead = store
     pull.fail = RuntimeError("tag mismatch")
-    store = Prefetches(pull, max_blocks=64)
-    try:
-        a = _placement("a")
-        store.hint(_hint(a))
-        _settled(1, pull)
-        assert store.claim([a], wait_s=5) == ({}, [a])
-        pull.fail = None
-        pull.gate.clear()  # the next prefetch is under way when its order comes
-        b = _placement("b")
-        store.hint(_hint(b))
-        _settled(2, pull)
-        threading.Timer(0.2, pull.gate.set).start()
-        started = time.monotonic()
-        got, rest = store.claim([b], wait_s=5)
-        assert rest == [] and "b" in got and time.monotonic() - started >= 0.15
-    finally:
-        pull.gate.set()
-        store.close()
+    a = _placement("a")
+    ahead.hint(_hint(a))
+    _settled(1, pull)
+    assert ahead.claim([a], wait_s=5) == ({}, [a])
+    pull.fail = None
+    pull.gate.clear()  # the next prefetch is under way when its order comes
+    b = _placement("b")
+    ahead.hint(_hint(b))
+    _settled(2, pull)
+    threading.Timer(0.2, pull.gate.set).start()
+    started = time.monotonic()
+    got, rest = ahead.claim([b], wait_s=5)
+    assert rest == [] and "b" in got and time.monotonic() - started >= 0.15
 
 
-def test_a_late_prefetch_is_given_up_at_the_wait_bound() -> None:
-    pull = Puller()
+def test_a_late_prefetch_is_given_up_at_the_wait_bound(store: tuple[Puller, Prefetches]) -> None:
+    pull, ahead = store
     pull.gate.clear()
-    store = Prefetches(pull, max_blocks=64)
-    try:
-        a = _placement("a")
-        store.hint(_hint(a))
-        _settled(1, pull)
-        assert store.claim([a], wait_s=0.05) == ({}, [a])
-    finally:
-        pull.gate.set()
-        store.close()
+    a = _placement("a")
+    ahead.hint(_hint(a))
+    _settled(1, pull)
+    assert ahead.claim([a], wait_s=0.05) == ({}, [a])
 
 
-def test_a_queued_prefetch_is_cancelled_by_its_order() -> None:
-    pull = Puller()
+def test_a_queued_prefetch_is_cancelled_by_its_order(store: tuple[Puller, Prefetches]) -> None:
+    pull, ahead = store
     pull.gate.clear()
-    store = Prefetches(pull, max_blocks=64)
-    try:
-        busy = [_placement(f"busy{i}", lease_id=20 + i) for i in range(2)]
-        for p in busy:  # both prefetch threads held
-            store.hint(_hint(p))
-        _settled(2, pull)
-        queued = _placement("queued")
-        store.hint(_hint(queued))
-        started = time.monotonic()
-        assert store.claim([queued], wait_s=5) == ({}, [queued])
-        assert time.monotonic() - started < 1  # not waited for
-        pull.gate.set()
-        time.sleep(0.1)
-        assert all("queued" not in call for call in pull.calls)  # and never pulled
-    finally:
-        pull.gate.set()
-        store.close()
+    for i in range(2):  # both prefetch threads held
+        ahead.hint(_hint(_placement(f"busy{i}", lease_id=20 + i)))
+    _settled(2, pull)
+    queued = _placement("queued")
+    ahead.hint(_hint(queued))
+    started = time.monotonic()
+    assert ahead.claim([queued], wait_s=5) == ({}, [queued])
+    assert time.monotonic() - started < 1  # not waited for
+    pull.gate.set()
+    time.sleep(0.1)
+    assert all("queued" not in call for call in pull.calls)  # and never pulled
 
 
 def test_what_is_kept_ahead_is_bounded_oldest_first_and_forgotten_in_time() -> None:
@@ -179,14 +167,10 @@ def test_what_is_kept_ahead_is_bounded_oldest_first_and_forgotten_in_time() -> N
 
 @pytest.mark.parametrize("data", [b"not json", b"[]", b'{"items": {"a": {"encoder": "x"}}}',
                                   b"{" + b" " * MAX_HINT_BYTES + b"}"])
-def test_a_malformed_hint_is_dropped_without_a_pull(data: bytes) -> None:
-    pull = Puller()
-    store = Prefetches(pull, max_blocks=64)
-    try:
-        store.hint(data)
-        assert store.refused == 1 and len(store) == 0 and pull.calls == []
-    finally:
-        store.close()
+def test_a_malformed_hint_is_dropped_without_a_pull(data: bytes, store: tuple[Puller, Prefetches]) -> None:
+    pull, ahead = store
+    ahead.hint(data)
+    assert ahead.refused == 1 and len(ahead) == 0 and pull.calls == []
 
 
 def test_the_hint_is_the_placements_and_a_callers_own_header_never_passes() -> None:
