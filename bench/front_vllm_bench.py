@@ -5,8 +5,8 @@ CPU build too) sends its own requests at a fixed concurrency and writes one JSON
 request throughput and time to first token at vLLM's own percentiles. Text sets (``random``
 prompts of 330 tokens, 8 out, ``--ignore-eos``) go through the proxy, the bare relay and straight
 to the consumer, as chats and again as text completions (``--backend openai``, the client's
-default, on ``/v1/completions``); image sets (``random-mm``: one new random image of ``--side`` pixels a request)
-through the proxy and to plain vLLM. Each set has a seed of its own, so no prompt or image is in
+default, on ``/v1/completions``); image sets (``random-mm``: one new random image of ``--side``
+pixels a request) through the proxy and to plain vLLM. Each set has a seed of its own, so no prompt or image is in
 the cache of the vLLM it reaches. The sides' sets alternate as in the other phases. Not measured:
 vLLM's own warm-up requests at the start of every text set (``--num-warmups``: one prompt, as
 many times as there are slots), and a whole text set through each side before the first.
@@ -57,9 +57,10 @@ def bench_serve(stack: Stack, url: str, tag: str, seed: int, *options: str) -> d
 def text_options(prompts: int, concurrency: int, *, completions: bool = False) -> tuple[str, ...]:
     """Random text prompts, as chats (``openai-chat``) or, ``completions``, as text completions (the
     client's default backend, ``openai``)."""
-    return (*(COMPLETIONS_API if completions else CHAT_API), "--dataset-name", "random", "--random-input-len", str(TEXT_TOKENS), "--random-output-len",
-            str(TEXT_OUTPUT_TOKENS), "--ignore-eos", "--num-prompts", str(prompts), "--max-concurrency",
-            str(concurrency), "--num-warmups", str(2 * concurrency))
+    return (*(COMPLETIONS_API if completions else CHAT_API), "--dataset-name", "random",
+            "--random-input-len", str(TEXT_TOKENS), "--random-output-len", str(TEXT_OUTPUT_TOKENS),
+            "--ignore-eos", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+            "--num-warmups", str(2 * concurrency))
 
 
 def image_options(args: argparse.Namespace) -> tuple[str, ...]:

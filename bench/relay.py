@@ -32,7 +32,7 @@ def relay_app(backend: str) -> web.Application:
     async def stop(app: web.Application) -> None:
         await app[session_key].close()
 
-    async def chat(request: web.Request) -> web.StreamResponse:
+    async def forward(request: web.Request) -> web.StreamResponse:
         data = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         async with app[session_key].post(backend + request.path, data=data, headers=headers) as resp:
@@ -50,8 +50,8 @@ def relay_app(backend: str) -> web.Application:
     app = web.Application()
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
-    app.router.add_post(CHAT_PATH, chat)
-    app.router.add_post(COMPLETIONS_PATH, chat)
+    app.router.add_post(CHAT_PATH, forward)
+    app.router.add_post(COMPLETIONS_PATH, forward)
     app.router.add_get("/health", health)
     return app
 

@@ -5,9 +5,8 @@ through :meth:`Front.middleware` before its handler runs, so before its body is 
 is fetched or any encoder is called:
 
 1. its ``Authorization: Bearer KEY`` must name one of the proxy's keys (``--api-key``,
-   ``--api-key-file``), else 401 ``authentication_error``. Keys are compared as SHA-256
-   digests with :func:`hmac.compare_digest`, every one of them, so the time a check takes
-   says nothing about any key (nor its length);
+   ``--api-key-file``), else 401 ``authentication_error`` (:class:`common.api_keys.ApiKeys`:
+   compared so that the time a check takes says nothing about any key);
 2. it must fit under ``--max-inflight``, else 429 ``rate_limit_error`` with ``Retry-After: 1``
    at once: a front that queued without bound would hold every waiting body in memory;
 3. it is then in flight until its answer is relayed in full (a stream's too); its route,
@@ -26,10 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hashlib
-import hmac
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +35,7 @@ import aiohttp
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
+from common.api_keys import ApiKeys
 from common.config import ProxyConfig
 from common.errors import ConfigError
 from common.metrics import ProxyMetrics
@@ -49,27 +47,6 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapes:
 RETRY_AFTER_S = 1  # what a request over --max-inflight is told: requests in flight end all the time
 OTHER_ROUTE = "other"  # the route label of a path the proxy does not serve (not one label per path)
 _MEDIA_PARTS = ("image_url", "video_url")  # the parts media.py reads
-
-
-class ApiKeys:
-    """The keys a caller may present; none: every caller is let in."""
-
-    def __init__(self, keys: Iterable[str]) -> None:
-        # Digests, not the keys: equal lengths, so compare_digest's time depends on no key's length.
-        self._digests = tuple(dict.fromkeys(hashlib.sha256(key.encode()).digest() for key in keys))
-
-    def __len__(self) -> int:
-        return len(self._digests)
-
-    def allows(self, authorization: str | None) -> bool:
-        """Whether an ``Authorization`` header is ``Bearer KEY`` with one of the keys. Every key is
-        compared, whichever matches, so the time taken does not tell which one came close."""
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        digest = hashlib.sha256(token.strip().encode()).digest()
-        match = False
-        for known in self._digests:
-            match |= hmac.compare_digest(digest, known)
-        return match and scheme.lower() == "bearer"
 
 
 def load_api_keys(cfg: ProxyConfig) -> ApiKeys:

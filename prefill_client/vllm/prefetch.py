@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import hashlib
-import hmac
 import logging
 import os
 import threading
@@ -45,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from common.api_keys import ApiKeys
 from common.errors import ConfigError
 from prefill_client.handoff import PREFETCH_HEADER, Placement, from_hint
 
@@ -97,7 +96,6 @@ class Prefetches:
         self._ahead: collections.OrderedDict[PlacementKey, _Ahead] = collections.OrderedDict()
         self._blocks = 0
         self._lock = threading.Lock()
-        self.hints = 0  # hints taken (each started a pull)
         self.refused = 0  # hints that were malformed or too large to keep
 
     @property
@@ -136,7 +134,6 @@ class Prefetches:
             for p, n in zip(new, blocks):
                 self._ahead[placement_key(p)] = _Ahead(future, n, now)
             self._blocks += sum(blocks)
-            self.hints += 1
 
     def claim(self, placements: Sequence[Placement], wait_s: float) -> tuple[dict[str, PulledItem], list[Placement]]:
         """The items prefetched for ``placements`` (by mm_hash) and the placements left to pull.
@@ -199,9 +196,10 @@ class EpdPrefetch:
 
     def __init__(self, app: Callable[..., Any]) -> None:
         self.app = app
-        self._sockets: list[Any] | None = None  # built at start-up (or the first hint): the engine's config is known then
+        # Built at start-up (or at the first hint), when the engine's config is known.
+        self._sockets: list[Any] | None = None
         self._ctx: Any = None
-        self._keys: list[bytes] = []  # SHA-256 of vLLM's API keys: a hint goes only with a request vLLM will take
+        self._keys = ApiKeys(())  # vLLM's API keys (none: it takes every request): a hint goes only with one it takes
         self.sent = 0
         self.dropped = 0
 
@@ -209,13 +207,17 @@ class EpdPrefetch:
         if scope.get("type") == "lifespan" and self._sockets is None:
             self._connect(scope)  # at start-up, so that the first request's hint finds the connections made
         elif scope.get("type") == "http" and scope.get("method") == "POST":
-            headers = dict(scope.get("headers", ()))
-            hint = headers.get(_HEADER)
+            hint = authorization = None
+            for name, value in scope.get("headers", ()):  # one pass; most requests carry no hint
+                if name == _HEADER:
+                    hint = value
+                elif name == b"authorization":
+                    authorization = value
             if hint is not None:
-                self._send(scope, hint, headers.get(b"authorization", b""))
+                self._send(scope, hint, authorization)
         await self.app(scope, receive, send)
 
-    def _send(self, scope: dict[str, Any], hint: bytes, authorization: bytes) -> None:
+    def _send(self, scope: dict[str, Any], hint: bytes, authorization: bytes | None) -> None:
         sockets = self._sockets if self._sockets is not None else self._connect(scope)
         if not sockets or not self._authorized(authorization):
             return
@@ -228,21 +230,9 @@ class EpdPrefetch:
             except zmq.ZMQError:  # no worker connected on that rank, or its queue is full
                 self.dropped += 1
 
-    def _authorized(self, authorization: bytes) -> bool:
-        """Whether vLLM takes a request of this ``Authorization``. vLLM adds its key check before the
-        middleware given with ``--middleware``, so this one runs first and checks the same way: with
-        ``--api-key`` (or ``VLLM_API_KEY``) only ``Bearer KEY`` of one of its keys (SHA-256 digests, every
-        key each time); a request vLLM will refuse sends no hint."""
-        if not self._keys:
-            return True
-        scheme, _, token = authorization.decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        digest = hashlib.sha256(token.encode("utf-8")).digest()
-        match = False
-        for key in self._keys:
-            match |= hmac.compare_digest(digest, key)
-        return match
+    def _authorized(self, authorization: bytes | None) -> bool:
+        """Whether vLLM takes a request of this ``Authorization`` (every one when it has no keys)."""
+        return not self._keys or self._keys.allows(authorization.decode("latin-1") if authorization else None)
 
     def _connect(self, scope: dict[str, Any]) -> list[Any]:
         """One PUSH per tensor-parallel rank of the app's engine (none, said once, when it cannot tell)."""
@@ -252,8 +242,9 @@ class EpdPrefetch:
         config = getattr(state, "vllm_config", None)
         args = getattr(state, "args", None)
         given = getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]
-        keys = [k for k in ([given] if isinstance(given, str) else given) if k]
-        self._keys = [hashlib.sha256(k.encode("utf-8")).digest() for k in keys]
+        # vLLM adds its key check before the middleware given with --middleware, so this one runs
+        # first: a request that check will refuse sends no hint.
+        self._keys = ApiKeys(k for k in ([given] if isinstance(given, str) else given) if k)
         if config is None:
             logger.warning("EpdPrefetch: the app has no state.vllm_config (not vLLM's API server?): no prefetch hints")
             return self._sockets
