@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,3 +20,21 @@ def repo_root() -> Path:
 def venv_bin() -> Path:
     """Directory of the running interpreter's scripts (``epd``, ``buf``)."""
     return Path(sys.executable).parent
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start ``mypy --strict`` now when its test is among those collected: it runs beside the
+    tests that come first, and its test only waits for it (see tests/unit/test_typing.py)."""
+    for item in session.items:
+        if item.nodeid.endswith("test_typing.py::test_packages_pass_mypy_strict") and isinstance(item, pytest.Function):
+            item.module.early = item.module.start_mypy()
+            session.config.stash[_MYPY_MODULE] = item.module
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    module = session.config.stash.get(_MYPY_MODULE, None)
+    if module is not None and module.early is not None:
+        module.early.stop()
+
+
+_MYPY_MODULE = pytest.StashKey[Any]()
