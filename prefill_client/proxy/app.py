@@ -267,11 +267,19 @@ class Proxy:
                              self._backends.outstanding(base))
                 try:
                     resp = await session.request(method, base + path, data=data, headers=headers, timeout=timeout)
-                except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                except aiohttp.ClientConnectionError as exc:  # not reached, or it died with the request
                     why = str(exc) or type(exc).__name__
                     errors.append(f"{base}: {why}")
                     self._backends.failed(base, why)
                     continue
+                except asyncio.TimeoutError:
+                    # It took the request and did not answer by the deadline: sent again elsewhere, the
+                    # request would wait as long once more, and a slow backend would see it twice.
+                    why = f"no answer within --backend-timeout-s ({self.cfg.backend_timeout_s:g} s)"
+                    self._backends.failed(base, why)
+                    if client is not None:
+                        client.release_placed(placements)
+                    raise HttpError(504, f"backend {base}: {why}", kind=UNAVAILABLE) from None
                 self._backends.answered(base)
                 if resp.status >= 400 and client is not None and placements:
                     # Refused or failed: its leases may never be pulled (a second release is harmless).

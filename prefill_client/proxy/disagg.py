@@ -165,7 +165,7 @@ class Disaggregated:
                     try:
                         text = await resp.text()
                     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                        raise _failed("prefill", base, exc) from exc
+                        raise _failed("prefill", base, exc, self.cfg.backend_timeout_s) from exc
             if resp.status >= 500:
                 why = await self._diagnose(client, placements) if client is not None and placements else ""
                 raise HttpError(resp.status, f"prefill {base} failed the request ({resp.status}: "
@@ -203,7 +203,7 @@ class Disaggregated:
             try:
                 text = await resp.text()
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                raise _failed("decode", base, exc) from exc
+                raise _failed("decode", base, exc, self.cfg.backend_timeout_s) from exc
             raise HttpError(resp.status, f"decode {base} failed the request ({resp.status}: {error_message(text)})",
                             kind=SERVER_ERROR)
         out = relayed_response(resp)
@@ -212,7 +212,7 @@ class Disaggregated:
             async for chunk in resp.content.iter_any():
                 await out.write(chunk)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            error = _failed("decode", base, exc)
+            error = _failed("decode", base, exc, self.cfg.backend_timeout_s)
             logger.warning("%s", error)
             event = {"error": {"message": str(error), "type": error.kind, "code": error.status}}
             await out.write(f"data: {json.dumps(event)}\n\n".encode())
@@ -233,12 +233,16 @@ class Disaggregated:
             pool.failed(base, why)
             return None
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise _failed(role, base, exc) from exc
+            raise _failed(role, base, exc, self.cfg.backend_timeout_s) from exc
         pool.answered(base)
         return resp
 
 
-def _failed(role: str, base: str, exc: BaseException) -> HttpError:
-    """The caller's answer when ``role``'s ``base`` took the request, then failed it without an answer."""
+def _failed(role: str, base: str, exc: BaseException, timeout_s: float) -> HttpError:
+    """The caller's answer when ``role``'s ``base`` took the request, then failed it without an answer:
+    504 when the request's deadline (``timeout_s``) passed, else 502."""
+    if isinstance(exc, asyncio.TimeoutError) and not isinstance(exc, aiohttp.ClientConnectionError):
+        return HttpError(504, f"{role} {base} did not answer within --backend-timeout-s ({timeout_s:g} s)",
+                         kind=UNAVAILABLE)
     why = str(exc) or type(exc).__name__
     return HttpError(502, f"{role} {base} failed the request without an answer ({why})", kind=UNAVAILABLE)

@@ -78,6 +78,11 @@ class EncodeRule:
         return HttpError(self.status, message, kind=self.kind, headers=headers)
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """A load failure of an RPC that outlived its deadline."""
+    return isinstance(exc, ECLoadFailure) and exc.reason is LoadFailureReason.TIMEOUT
+
+
 def _unreachable(exc: BaseException) -> bool:
     """A load failure that means no encoder could be reached (rather than one that failed the items)."""
     return isinstance(exc, ECLoadFailure) and exc.reason in (LoadFailureReason.HANDSHAKE, LoadFailureReason.DISCONNECT)
@@ -101,6 +106,9 @@ ENCODE_ERRORS: tuple[EncodeRule, ...] = (
     EncodeRule(InvalidRequestError, 400, INVALID, "the encoders refused the request: {exc}"),
     EncodeRule(CacheFullError, 429, RATE_LIMITED, "{exc}", retry_after=True),
     EncodeRule(ECLoadFailure, 503, UNAVAILABLE, "encoding failed: {exc}", when=_unreachable),
+    # An encoder took the call and did not answer by the deadline: overloaded, not down.
+    EncodeRule(ECLoadFailure, 504, UNAVAILABLE, "encoding timed out: {exc} (the encoders are busy: retry; add "
+                                                "encoders, or raise --rpc-timeout-s)", when=_timed_out),
     EncodeRule(ECLoadFailure, 502, UNAVAILABLE, "encoding failed: {exc}"),
     EncodeRule(EncoderCallError, 503, UNAVAILABLE, "encoder error: {exc}"),  # "CODE: details"
     EncodeRule(WeightsMismatchError, 502, UNAVAILABLE, "encoding failed: {exc}"),

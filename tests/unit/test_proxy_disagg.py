@@ -35,7 +35,7 @@ async def _decoded(request: web.Request) -> web.StreamResponse:
 
 
 async def _run(client: FakeClient, prefill: Sequence[Handler | None], decode: Sequence[Handler | None], body: Any, *,
-               stream: bool = False, path: str = "/v1/chat/completions"
+               stream: bool = False, path: str = "/v1/chat/completions", **settings: Any
                ) -> tuple[int, Any, list[list[Any]], list[list[Any]]]:
     """POST ``body`` to ``path`` of a proxy over the fake pools (None: a member nobody listens for);
     (status, answer, bodies each prefill got, bodies each decode got: on ``path`` only)."""
@@ -65,7 +65,7 @@ async def _run(client: FakeClient, prefill: Sequence[Handler | None], decode: Se
 
     prefill_urls, prefill_seen = await pool(prefill)
     decode_urls, decode_seen = await pool(decode)
-    cfg = ProxyConfig(prefill=tuple(prefill_urls), decode=tuple(decode_urls), routing="round-robin")
+    cfg = ProxyConfig(prefill=tuple(prefill_urls), decode=tuple(decode_urls), routing="round-robin", **settings)
     proxy = Proxy(cfg, client)  # type: ignore[arg-type]
     async with TestClient(TestServer(proxy.app(), host="127.0.0.1")) as http:
         resp = await http.post(path, json=body)
@@ -191,6 +191,22 @@ def test_a_decode_that_hangs_up_is_a_502() -> None:
 
     status, answer, _, _ = asyncio.run(_run(FakeClient(), [_prefilled], [hang_up], _chat()))
     assert status == 502 and "failed the request without an answer" in answer["error"]["message"], answer
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_a_member_that_outlives_the_deadline_is_a_504_and_no_other_gets_the_request(step: str) -> None:
+    async def stall(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(2.0)
+        return web.Response()
+
+    pools = {"prefill": [_prefilled, _prefilled], "decode": [_decoded, _decoded]}
+    pools[step] = [stall, stall]
+    status, answer, prefilled, decoded = asyncio.run(
+        _run(FakeClient(), pools["prefill"], pools["decode"], _chat(), backend_timeout_s=0.3))
+    assert status == 504, answer
+    assert "did not answer within --backend-timeout-s (0.3 s)" in answer["error"]["message"]
+    assert answer["error"]["message"].startswith(step)
+    assert sum(map(len, prefilled if step == "prefill" else decoded)) == 1
 
 
 def test_prompt_logprobs_are_refused_and_the_leases_go_back() -> None:

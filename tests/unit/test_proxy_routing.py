@@ -412,3 +412,25 @@ def test_a_backend_that_refuses_connections_is_skipped_until_its_back_off_ends()
             assert resp.status == 502 and dead in (await resp.json())["error"]["message"]
 
     asyncio.run(run())
+
+
+def test_a_backend_that_outlives_the_deadline_is_504_and_the_request_is_not_sent_again() -> None:
+    async def run() -> None:
+        seen: list[str] = []
+        hold = asyncio.Event()
+        a, b = await _backend("a", seen, hold), await _backend("b", seen, hold)
+        proxy = _proxy([_url(a), _url(b)], backend_timeout_s=0.3, backend_retry_s=60.0)
+        async with TestClient(TestServer(proxy.app(), host="127.0.0.1")) as http:
+            resp = await http.post("/v1/chat/completions", json=_conversation(0, 0))
+            message = (await resp.json())["error"]["message"]
+            assert resp.status == 504 and len(seen) == 1, (resp.status, seen)
+            slow = _url(a) if seen == ["a"] else _url(b)
+            assert message == f"backend {slow}: no answer within --backend-timeout-s (0.3 s)"
+            # The slow one is skipped for its back-off: the next request goes to the other.
+            hold.set()
+            resp = await http.post("/v1/chat/completions", json=_conversation(0, 0))
+            assert resp.status == 200 and seen[1] != seen[0]
+        await a.close()
+        await b.close()
+
+    asyncio.run(run())
