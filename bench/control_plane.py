@@ -14,7 +14,12 @@ Per concurrency: ``p50_ms`` / ``p99_ms`` of the per-call latencies and
 ratios are lookup / echo for the latencies and echo / lookup for the rate
 (above 1: Lookup is slower). Target: every ratio at most 1.5.
 
-Usage: ``python bench/control_plane.py [--seconds 3] [--concurrency 1,8]
+``--gap-ms G`` pauses each client G ms after each call (outside the timing), as calls come
+in a request stream at one in flight (``bench/front.py``'s phase e sends a request every
+40 ms or so): each call then meets processes that went idle, and pays their wake-ups. With
+a gap, ``calls_per_s`` counts the pauses too; compare the latencies.
+
+Usage: ``python bench/control_plane.py [--seconds 3] [--concurrency 1,8] [--gap-ms 0]
 [--transport auto|nixl|mock]``. The last line of stdout is one JSON object:
 ``{"lookup": {"c1": {"p50_ms", "p99_ms", "calls_per_s"}, "c8": {...}},
 "echo": {...}, "ratio": {"c1": {"p50", "p99", "calls_per_s"}, ...}}``.
@@ -61,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup-calls", type=int, default=200, help="untimed calls per client first")
     parser.add_argument("--concurrency", default="1,8", help="comma-separated client thread counts")
     parser.add_argument("--items", type=int, default=4, help="images encoded and then looked up")
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="pause of each client after each call, untimed (0: back to back)")
     parser.add_argument("--transport", default="auto",
                         help="encoder transport: auto, nixl or mock (a Lookup does not touch it, but the "
                              "encoder's notification polling runs beside it)")
@@ -109,8 +116,9 @@ def start_echo() -> tuple[subprocess.Popen[bytes], int]:
 class Target:
     """One server's clients (a call per client thread) and the latencies of their timed calls."""
 
-    def __init__(self, calls: Sequence[Call], release: Callable[[int, list[int]], None]) -> None:
+    def __init__(self, calls: Sequence[Call], release: Callable[[int, list[int]], None], gap_s: float = 0.0) -> None:
         self.calls = calls
+        self.gap_s = gap_s
         self.release = release
         self.latencies: list[list[float]] = [[] for _ in calls]
         self.leases: list[list[int]] = [[] for _ in calls]
@@ -125,6 +133,8 @@ class Target:
             lat.append(time.perf_counter() - t0)
             held.extend(ids)
             done += 1
+            if self.gap_s:
+                time.sleep(self.gap_s)
 
     def _drain(self) -> None:
         for i, held in enumerate(self.leases):  # a lease is released by the client it was granted to
@@ -242,12 +252,13 @@ def main(argv: list[str] | None = None) -> None:
         enc_port, transport = encoder.port, encoder.transport
         echo, echo_port = start_echo()
         print(f"encoder transport {transport}, {args.items} cached items, {args.seconds} s per target and "
-              f"concurrency, rounds of {args.round_s} s", flush=True)
+              f"concurrency, rounds of {args.round_s} s, a pause of {args.gap_ms} ms after each call", flush=True)
         try:
             for c in levels:
                 calls, release, chans, payload = lookup_target(enc_port, args.items, c)
                 ecalls, echans = echo_target(echo_port, c, payload)
-                lookup, echo_r = measure([Target(calls, release), Target(ecalls, lambda i, ids: None)],
+                gap_s = args.gap_ms / 1e3
+                lookup, echo_r = measure([Target(calls, release, gap_s), Target(ecalls, lambda i, ids: None, gap_s)],
                                          c, args.seconds, args.round_s, args.warmup_calls)
                 for ch in chans + echans:
                     ch.close()
@@ -266,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             terminate(echo)
             encoder.terminate()
-    print(json.dumps(results))
+    print(json.dumps({**results, "gap_ms": args.gap_ms}))
 
 
 if __name__ == "__main__":
