@@ -52,7 +52,8 @@ two sides alternate in ``--rounds`` (A B, then B A, ...), so a slow moment of th
 Before starting, the script waits (bounded) for free memory (``--min-free-gib``) and, before the
 first phase, for the load average to fall below ``--max-load``; the loads are in the JSON.
 The proxies' CPU time (utime + stime of each proxy process and its workers, from ``/proc``) is
-read before and after each of their sets: ``proxy_cpu_ms_per_request``. The last line of stdout
+read before and after each of their sets (in phase e, around each request alone, the /metrics
+reads left out: ``e_<kind>``): ``proxy_cpu_ms_per_request``. The last line of stdout
 is one JSON object: ``*_ms`` milliseconds, ``*_vs_plain`` / ``*_vs_direct`` / ``*_vs_one_backend``
 ratios (proxy path over the anchor), ``targets`` whether each target was met. Usage:
 ``python bench/front.py [--requests 12] [--concurrency 4] [--text-requests 160] [--phases a,b,c,d,e,v]
@@ -244,7 +245,7 @@ class Breakdown:
     client kept open, Python's garbage collected before each request is sent: the proxy's
     encode phase and its wait for the backend's first byte, vLLM's queue and prefill time and its own
     TTFT (from the moment its API server starts rendering the chat), the connector's pulls, the
-    items its orders found prefetched, and the client's TTFT. Means per kind of request, in
+    items its orders found prefetched, the proxy's CPU time, and the client's TTFT. Means per kind of request, in
     milliseconds (``prefetched``: items)."""
 
     FIGURES = {  # figure: (whose /metrics, the metric whose sum it is)
@@ -285,16 +286,21 @@ class Breakdown:
         values = {**vllm, **self._scrape("proxy", url=self.proxies[proxy]), **self._scrape("connector")}
         return values[self.COUNTED], {figure: values[metric] for figure, (_, metric) in self.FIGURES.items()}
 
-    async def measure(self, kind: str, run: Any, proxy: str = "proxy") -> Any:
-        """``run`` (one request through ``proxy``), its figures added to ``kind``'s."""
+    async def measure(self, kind: str, run: Any, side: Any, proxy: str = "proxy") -> Any:
+        """``run`` (one request through ``proxy``, whose process tree is ``side``'s), its figures added
+        to ``kind``'s. ``proxy_cpu``: the proxy's CPU time (utime + stime) while the request ran, the
+        /metrics reads around it left out."""
         counted, before = await asyncio.to_thread(self.read, proxy)
         gc.collect()  # the client's own garbage (the reads', the last request's), not in the request's time
+        cpu_ns = side.proxy_cpu_ns()
         got = await run
+        cpu_ns = side.proxy_cpu_ns() - cpu_ns
         if got.samples:
             _, after = await asyncio.to_thread(self.read, proxy, counted + 1)
-            sums = self.sums.setdefault(kind, dict.fromkeys([*self.FIGURES, "client_ttft"], 0.0))
+            sums = self.sums.setdefault(kind, dict.fromkeys([*self.FIGURES, "proxy_cpu", "client_ttft"], 0.0))
             for figure in self.FIGURES:
                 sums[figure] += after[figure] - before[figure]
+            sums["proxy_cpu"] += cpu_ns / 1e9
             sums["client_ttft"] += got.samples[0].ttft_ms / 1e3
             self.counts[kind] = self.counts.get(kind, 0) + 1
         return got
@@ -323,22 +329,22 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
     images_unhinted: list[Any] = []
     mismatches = 0  # text or repeat requests whose prompt is not as long as the image request's
     parts = Breakdown(stack)
-    ticks = side.proxy_ticks()
     try:
         for i, url in enumerate(urls):  # one at a time, alternating, so both see the same moments of the box
-            image = await parts.measure("image_cached", measure_set(side, [image_message(url)], 1, args.max_tokens))
+            image = await parts.measure("image_cached", measure_set(
+                side, [image_message(url)], 1, args.max_tokens), side)
             if not image.samples:
                 continue
             tokens = image.samples[0].prompt_tokens
             text = await parts.measure("text_same_length", measure_set(
-                side, [text_message(f"e-{i}", tokens - overhead)], 1, args.max_tokens))
+                side, [text_message(f"e-{i}", tokens - overhead)], 1, args.max_tokens), side)
             # The same image again: vLLM asks for its rows, but the worker's client holds them: no transfer.
             again = await parts.measure("image_in_vllm", measure_set(
-                side, [image_message(url, IMAGE_TEXT_AGAIN)], 1, args.max_tokens))
+                side, [image_message(url, IMAGE_TEXT_AGAIN)], 1, args.max_tokens), side)
             # Another held image through the proxy that sends no prefetch hint: its pull starts when
             # vLLM's scheduler orders it.
             plain_pull = await parts.measure("image_cached_unhinted", measure_set(
-                unhinted, [image_message(urls_unhinted[i])], 1, args.max_tokens), "unhinted")
+                unhinted, [image_message(urls_unhinted[i])], 1, args.max_tokens), unhinted, "unhinted")
             if not text.samples or not again.samples or not plain_pull.samples:
                 continue
             mismatches += sum(got.samples[0].prompt_tokens != tokens for got in (text, again, plain_pull))
@@ -348,13 +354,12 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
             images_unhinted += plain_pull.samples
     finally:
         parts.close()
-    cpu = cpu_ms(side.proxy_ticks() - ticks)
+    means = parts.means()
     got = {"image_cached": summary([s.ttft_ms for s in images]), "text_same_length": summary([s.ttft_ms for s in texts]),
            "image_in_vllm": summary([s.ttft_ms for s in repeats]),
            "image_cached_unhinted": summary([s.ttft_ms for s in images_unhinted]),
            "prompt_tokens": images[0].prompt_tokens if images else None, "prompt_token_mismatches": mismatches,
-           "proxy_cpu_ms_per_request": round(cpu / max(1, len(images) + len(texts)), 2),
-           "breakdown_mean_ms": parts.means()}
+           "breakdown_mean_ms": means}
     out["cached_image_vs_text"] = got
     out["cached_image_added_ttft_p50_ms"] = round(got["image_cached"]["p50"] - got["text_same_length"]["p50"], 2)
     # What the image would add if its rows were on vLLM's worker before its scheduler asked (no pull).
@@ -362,7 +367,10 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
     # The same as the first figure, through a proxy that sends no prefetch hints (the pull starts later).
     out["cached_image_unhinted_added_ttft_p50_ms"] = round(
         got["image_cached_unhinted"]["p50"] - got["text_same_length"]["p50"], 2)
-    out["proxy_cpu_ms_per_request"]["cached_image_vs_text"] = got["proxy_cpu_ms_per_request"]
+    # The proxy's CPU per request of each kind, while the request ran (the breakdown's proxy_cpu).
+    for kind in ("image_cached", "text_same_length", "image_cached_unhinted"):
+        if kind in means:
+            out["proxy_cpu_ms_per_request"][f"e_{kind}"] = means[kind]["proxy_cpu"]
 
 
 def start_profile(stack: Stack, path: str) -> subprocess.Popen[bytes]:
