@@ -82,6 +82,7 @@ WRONG_KEY_EVERY = 10  # one request of this many carries a wrong API key (when t
 FAILURE_KINDS = (
     ("evicted", "no longer on encoder"), ("encoder_unreachable", "unreachable"),
     ("encoder_unreachable", "cannot reach the encoders"), ("encode_failed", "encoding failed"),
+    ("encode_timed_out", "encoding timed out"), ("backend_timed_out", "no answer within"),
     ("encoder_error", "encoder error"), ("overloaded", "overloaded"),
     ("pull_failed", "still on their encoders"), ("backend_failed", "failed the request"),
     ("no_backend", "no backend reachable"),
@@ -365,7 +366,8 @@ def main() -> None:
             pair = start_pair(tmp, MODEL, checkpoint, noise, targets, baseline_args=PIL_IMAGE_PROCESSOR,
                               tensor_parallel=args.tp, metrics_port=-1, pull_timeout_s=2.0, rpc_timeout_s=3.0)
             proxy = start_proxy(tmp / "proxy.log", targets, [pair.consumer.url], "--model-id", MODEL,
-                                "--rpc-timeout-s", "3", "--api-key", API_KEY, "--workers", str(args.proxy_workers))
+                                "--rpc-timeout-s", "3", "--encode-timeout-s", "3", "--api-key", API_KEY,
+                                "--workers", str(args.proxy_workers))
             report = run_soak(proxy_url=proxy.url, reference_url=pair.baseline.url, consumer=pair.consumer,
                               encoders=encoders, seconds=args.seconds, clients=args.clients,
                               fault_every_s=args.fault_every_s, seed=args.seed, api_key=API_KEY,

@@ -57,6 +57,10 @@ class ProxyConfig:
     backend_timeout_s: float = setting(
         600.0, env="EPD_PROXY_BACKEND_TIMEOUT_S", help="deadline of one forwarded request, streaming included")
     rpc_timeout_s: float = setting(10.0, env="EPD_RPC_TIMEOUT_S", help="deadline of each encoder gRPC call")
+    encode_timeout_s: float = setting(
+        60.0, env="EPD_PROXY_ENCODE_TIMEOUT_S",
+        help="deadline of an Encode, which waits in the encoder's queue and runs the tower (busy encoders "
+             "answer late, not never); the other encoder calls keep --rpc-timeout-s")
     transport: TransportKind = setting(
         TransportKind.AUTO, env="EPD_TRANSPORT", help="nixl, mock, or auto; must match the encoder's (handshake)")
     weights_digest: str | None = setting(
@@ -143,7 +147,8 @@ class ProxyConfig:
                 "must be > 0")
         require(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535]")
         require(self.drain_grace_s >= 0, "drain_grace_s", self.drain_grace_s, "must be >= 0")
-        for name in ("media_fetch_timeout_s", "max_request_bytes", "backend_timeout_s", "rpc_timeout_s"):
+        for name in ("media_fetch_timeout_s", "max_request_bytes", "backend_timeout_s", "rpc_timeout_s",
+                     "encode_timeout_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         for key in self.api_keys:
             require(bool(key) and not any(c.isspace() for c in key), "api_key", "<redacted>",

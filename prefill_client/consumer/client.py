@@ -82,6 +82,7 @@ class EncoderCacheClient:
         transport: ConsumerTransport | None = None,
         transport_kind: TransportKind | str = TransportKind.AUTO,
         rpc_timeout_s: float = 10.0,
+        encode_timeout_s: float | None = None,
         pull_timeout_s: float = 2.0,
         failure_policy: FailurePolicy | str = FailurePolicy.FAIL,
         landing_blocks: int = 256,
@@ -105,11 +106,13 @@ class EncoderCacheClient:
         tag from each encoder as it is connected, so the first request does not pay the
         transport's connection set-up (:meth:`ConsumerTransport._probe`). ``lookup_min_bytes``:
         :meth:`place` looks an item it did not place before up by its derived mm_hash from this
-        many bytes on (:mod:`.known`)."""
+        many bytes on (:mod:`.known`). ``encode_timeout_s``: the deadline of an Encode, which waits
+        in the encoder's queue and runs its tower (None: ``rpc_timeout_s``, every call's)."""
         self.model_id = model_id
         self.weights_digest = weights_digest
         self.consumer_id = consumer_id or f"{socket.gethostname()}:{os.getpid()}"
         self.rpc_timeout_s = rpc_timeout_s
+        self.encode_timeout_s = encode_timeout_s if encode_timeout_s is not None else rpc_timeout_s
         self.failure_policy = FailurePolicy(failure_policy)
         self.metrics = metrics if metrics is not None else PrefillMetrics()
         self._own_transport = transport is None
@@ -404,7 +407,8 @@ class EncoderCacheClient:
 
     def _connection(self, target: str) -> EncoderConnection:
         return EncoderConnection(target, self.model_id, self.consumer_id, self.transport, self.metrics,
-                                 rpc_timeout_s=self.rpc_timeout_s, tls=self._tls,
+                                 rpc_timeout_s=self.rpc_timeout_s, encode_timeout_s=self.encode_timeout_s,
+                                 tls=self._tls,
                                  expected_weights_digest=self.weights_digest)
 
     def _route(self, key: Callable[[], str]) -> str:

@@ -215,6 +215,7 @@ class EncoderConnection:
         *,
         rpc_timeout_s: float,
         tls: TlsConfig,
+        encode_timeout_s: float | None = None,
         expected_weights_digest: str | None = None,
     ) -> None:
         self.target = target
@@ -226,6 +227,7 @@ class EncoderConnection:
         self.transport = transport
         self.metrics = metrics
         self.rpc_timeout_s = rpc_timeout_s
+        self.encode_timeout_s = encode_timeout_s if encode_timeout_s is not None else rpc_timeout_s
         self._metadata = (("authorization", f"Bearer {tls.auth_token}"),) if tls.auth_token else ()
         self._channel = self._open_channel(target, tls)
         self._stub = pb2_grpc.EncoderCacheServiceStub(self._channel)
@@ -359,9 +361,11 @@ class EncoderConnection:
 
     # --- RPCs --------------------------------------------------------------------------------
 
-    def _call(self, rpc: Callable[..., Any], build: Callable[[str, str], object]) -> Any:
+    def _call(self, rpc: Callable[..., Any], build: Callable[[str, str], object],
+              timeout_s: float | None = None) -> Any:
         """One RPC against the current incarnation (``build(incarnation_id, call_id)`` makes the
-        request); a changed incarnation re-handshakes once.
+        request), with a deadline of ``timeout_s`` (None: ``rpc_timeout_s``); a changed
+        incarnation re-handshakes once.
 
         Each attempt gets a fresh ``call_id``. When its deadline passes, the encoder may have
         answered anyway (its clock runs behind ours by the request's way there), with leases
@@ -374,7 +378,7 @@ class EncoderConnection:
             call_id = self._new_call_id()
             request = build(self.incarnation_id, call_id)
             try:
-                resp = rpc(request, timeout=self.rpc_timeout_s, metadata=self._metadata)
+                resp = rpc(request, timeout=timeout_s or self.rpc_timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     self.abandon([call_id])
@@ -391,7 +395,7 @@ class EncoderConnection:
 
     def encode(self, items: Sequence[MediaSpec]) -> list[pb2.ItemLocation]:
         resp = self._call(self._encode_raw, lambda incarnation, call_id: encode_request_bytes(
-            self.model_id, self.consumer_id, incarnation, items, call_id))
+            self.model_id, self.consumer_id, incarnation, items, call_id), self.encode_timeout_s)
         results = list(resp.results)
         for i, result in enumerate(results):
             if result.WhichOneof("outcome") == "error":

@@ -104,5 +104,6 @@ def new_client(cfg: ProxyConfig, model_id: str) -> EncoderCacheClient:
     """The proxy's client for one model id (no pulls: placements only)."""
     return EncoderCacheClient(
         cfg.encoders, model_id, transport_kind=cfg.transport, rpc_timeout_s=cfg.rpc_timeout_s,
+        encode_timeout_s=cfg.encode_timeout_s,
         landing_blocks=1, local_cache_blocks=0, tls=cfg.tls, weights_digest=cfg.weights_digest,
         membership_refresh_s=cfg.membership_refresh_s, lookup_min_bytes=cfg.lookup_min_bytes)

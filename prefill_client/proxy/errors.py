@@ -108,7 +108,7 @@ ENCODE_ERRORS: tuple[EncodeRule, ...] = (
     EncodeRule(ECLoadFailure, 503, UNAVAILABLE, "encoding failed: {exc}", when=_unreachable),
     # An encoder took the call and did not answer by the deadline: overloaded, not down.
     EncodeRule(ECLoadFailure, 504, UNAVAILABLE, "encoding timed out: {exc} (the encoders are busy: retry; add "
-                                                "encoders, or raise --rpc-timeout-s)", when=_timed_out),
+                                                "encoders, or raise --encode-timeout-s)", when=_timed_out),
     EncodeRule(ECLoadFailure, 502, UNAVAILABLE, "encoding failed: {exc}"),
     EncodeRule(EncoderCallError, 503, UNAVAILABLE, "encoder error: {exc}"),  # "CODE: details"
     EncodeRule(WeightsMismatchError, 502, UNAVAILABLE, "encoding failed: {exc}"),

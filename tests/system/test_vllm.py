@@ -99,7 +99,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         servers.append(proxy)
         gate = Gate(consumer.url)
         gated = start_proxy(tmp / "proxy-gated.log", [encoder.target], [gate.url], "--model-id", MODEL,
-                            "--rpc-timeout-s", "3")
+                            "--rpc-timeout-s", "3", "--encode-timeout-s", "3")
         servers.append(gated)
         built = Stack(tmp, checkpoint, encoder, encoder_args, baseline, consumer, metrics_port, proxy, gate, gated,
                       second)
@@ -359,7 +359,8 @@ def test_soak_through_the_whole_stack(stack: Stack) -> None:
     port = stack.encoder.port
     first = SoakEncoder(stack.tmp, (*stack.encoder_args, "--port", str(port)), "encoder-soak", stack.encoder)
     proxy = start_proxy(stack.tmp / "proxy-soak.log", [stack.encoder.target, stack.second.target],
-                        [stack.consumer.url], "--model-id", MODEL, "--rpc-timeout-s", "3", "--api-key", "soak-key")
+                        [stack.consumer.url], "--model-id", MODEL, "--rpc-timeout-s", "3",
+                        "--encode-timeout-s", "3", "--api-key", "soak-key")
     try:
         report = run_soak(proxy_url=proxy.url, reference_url=stack.baseline.url, consumer=stack.consumer,
                           encoders=[first, stack.second], seconds=SOAK_S, clients=3,
