@@ -263,6 +263,7 @@ class Breakdown:
     def __init__(self, stack: Stack) -> None:
         self.urls = {"vllm": stack.consumers[0].url, "connector": stack.connector_metrics[0]}
         self.proxies = {name: server.url for name, server in stack.proxies.items()}
+        self._stack = stack
         self.sums: dict[str, dict[str, float]] = {}
         self.counts: dict[str, int] = {}
         self.http = httpx.Client(trust_env=False)
@@ -286,10 +287,10 @@ class Breakdown:
         values = {**vllm, **self._scrape("proxy", url=self.proxies[proxy]), **self._scrape("connector")}
         return values[self.COUNTED], {figure: values[metric] for figure, (_, metric) in self.FIGURES.items()}
 
-    async def measure(self, kind: str, run: Any, side: Any, proxy: str = "proxy") -> Any:
-        """``run`` (one request through ``proxy``, whose process tree is ``side``'s), its figures added
-        to ``kind``'s. ``proxy_cpu``: the proxy's CPU time (utime + stime) while the request ran, the
-        /metrics reads around it left out."""
+    async def measure(self, kind: str, run: Any, proxy: str = "proxy") -> Any:
+        """``run`` (one request through ``proxy``), its figures added to ``kind``'s. ``proxy_cpu``: the
+        proxy's CPU time while the request ran, the /metrics reads around it left out."""
+        side = self._stack.side(proxy)
         counted, before = await asyncio.to_thread(self.read, proxy)
         gc.collect()  # the client's own garbage (the reads', the last request's), not in the request's time
         cpu_ns = side.proxy_cpu_ns()
@@ -332,19 +333,19 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
     try:
         for i, url in enumerate(urls):  # one at a time, alternating, so both see the same moments of the box
             image = await parts.measure("image_cached", measure_set(
-                side, [image_message(url)], 1, args.max_tokens), side)
+                side, [image_message(url)], 1, args.max_tokens))
             if not image.samples:
                 continue
             tokens = image.samples[0].prompt_tokens
             text = await parts.measure("text_same_length", measure_set(
-                side, [text_message(f"e-{i}", tokens - overhead)], 1, args.max_tokens), side)
+                side, [text_message(f"e-{i}", tokens - overhead)], 1, args.max_tokens))
             # The same image again: vLLM asks for its rows, but the worker's client holds them: no transfer.
             again = await parts.measure("image_in_vllm", measure_set(
-                side, [image_message(url, IMAGE_TEXT_AGAIN)], 1, args.max_tokens), side)
+                side, [image_message(url, IMAGE_TEXT_AGAIN)], 1, args.max_tokens))
             # Another held image through the proxy that sends no prefetch hint: its pull starts when
             # vLLM's scheduler orders it.
             plain_pull = await parts.measure("image_cached_unhinted", measure_set(
-                unhinted, [image_message(urls_unhinted[i])], 1, args.max_tokens), unhinted, "unhinted")
+                unhinted, [image_message(urls_unhinted[i])], 1, args.max_tokens), "unhinted")
             if not text.samples or not again.samples or not plain_pull.samples:
                 continue
             mismatches += sum(got.samples[0].prompt_tokens != tokens for got in (text, again, plain_pull))

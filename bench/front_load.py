@@ -34,10 +34,9 @@ def cpu_ms(ticks: int) -> float:
 
 def tree_ticks(pid: int) -> int:
     """utime + stime (clock ticks) of ``pid`` and every live process under it (``--workers``)."""
-    ticks: dict[int, int] = {}
-    for process, fields in _stats():
-        ticks[process] = int(fields[11]) + int(fields[12])
-    return sum(ticks.get(process, 0) for process in _tree(pid))
+    stats = _stats()
+    ticks = {process: int(fields[11]) + int(fields[12]) for process, fields in stats}
+    return sum(ticks.get(process, 0) for process in _tree(pid, stats))
 
 
 def tree_cpu_ns(pid: int) -> int:
@@ -45,7 +44,7 @@ def tree_cpu_ns(pid: int) -> int:
     threads (``/proc/PID/task/TID/schedstat``): precise enough for one request, where
     :func:`tree_ticks` counts in steps of 10 ms."""
     total = 0
-    for process in _tree(pid):
+    for process in _tree(pid, _stats()):
         try:
             threads = os.listdir(f"/proc/{process}/task")
         except OSError:
@@ -73,9 +72,9 @@ def _stats() -> list[tuple[int, list[str]]]:
     return out
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and every live process under it."""
-    parents = {process: int(fields[1]) for process, fields in _stats()}
+def _tree(pid: int, stats: list[tuple[int, list[str]]]) -> list[int]:
+    """``pid`` and every live process under it, by the parents in ``stats`` (:func:`_stats`)."""
+    parents = {process: int(fields[1]) for process, fields in stats}
     found, todo = [], [pid]
     while todo:
         current = todo.pop()

@@ -82,7 +82,7 @@ WRONG_KEY_EVERY = 10  # one request of this many carries a wrong API key (when t
 FAILURE_KINDS = (
     ("evicted", "no longer on encoder"), ("encoder_unreachable", "unreachable"),
     ("encoder_unreachable", "cannot reach the encoders"), ("encode_failed", "encoding failed"),
-    ("encode_timed_out", "encoding timed out"), ("backend_timed_out", "no answer within"),
+    ("encode_timed_out", "encoding timed out"), ("backend_timed_out", "did not answer within"),
     ("encoder_error", "encoder error"), ("overloaded", "overloaded"),
     ("pull_failed", "still on their encoders"), ("backend_failed", "failed the request"),
     ("no_backend", "no backend reachable"),

@@ -27,14 +27,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     tests that come first, and its test only waits for it (see tests/unit/test_typing.py)."""
     for item in session.items:
         if item.nodeid.endswith("test_typing.py::test_packages_pass_mypy_strict") and isinstance(item, pytest.Function):
-            item.module.early = item.module.start_mypy()
-            session.config.stash[_MYPY_MODULE] = item.module
+            item.module.early = session.config.stash[_MYPY_RUN] = item.module.start_mypy()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    module = session.config.stash.get(_MYPY_MODULE, None)
-    if module is not None and module.early is not None:
-        module.early.stop()
+    run = session.config.stash.get(_MYPY_RUN, None)
+    if run is not None:
+        run.stop()  # the test stopped it already, unless the suite ended first
 
 
-_MYPY_MODULE = pytest.StashKey[Any]()
+_MYPY_RUN = pytest.StashKey[Any]()

@@ -34,6 +34,7 @@ from prefill_client.proxy.backends import (
     COMPLETIONS_PATH,
     Backends,
     error_message,
+    no_answer,
     passed_headers,
     relayed_response,
     with_hint,
@@ -272,14 +273,12 @@ class Proxy:
                     errors.append(f"{base}: {why}")
                     self._backends.failed(base, why)
                     continue
-                except asyncio.TimeoutError:
-                    # It took the request and did not answer by the deadline: sent again elsewhere, the
-                    # request would wait as long once more, and a slow backend would see it twice.
-                    why = f"no answer within --backend-timeout-s ({self.cfg.backend_timeout_s:g} s)"
-                    self._backends.failed(base, why)
+                except asyncio.TimeoutError:  # it took the request: not sent again (a slow one would see it twice)
+                    error = no_answer("backend", base, self.cfg.backend_timeout_s)
+                    self._backends.failed(base, str(error))
                     if client is not None:
                         client.release_placed(placements)
-                    raise HttpError(504, f"backend {base}: {why}", kind=UNAVAILABLE) from None
+                    raise error from None
                 self._backends.answered(base)
                 if resp.status >= 400 and client is not None and placements:
                     # Refused or failed: its leases may never be pulled (a second release is harmless).

@@ -201,6 +201,13 @@ class Backends:
                         kind=UNAVAILABLE)
 
 
+def no_answer(role: str, base: str, timeout_s: float) -> HttpError:
+    """504 for a request ``role``'s ``base`` took and did not answer within ``--backend-timeout-s``
+    (``timeout_s``): sent to another, it would wait as long again, so it is sent nowhere else."""
+    return HttpError(504, f"{role} {base} did not answer within --backend-timeout-s ({timeout_s:g} s)",
+                     kind=UNAVAILABLE)
+
+
 def resolve_backends(specs: Sequence[str]) -> list[str]:
     """The base URLs of ``--backend``: an ``http(s)://`` URL as it is; ``dns:///NAME:PORT`` and
     ``HOST:PORT`` as ``http://ADDR:PORT``, one per address; ``file:PATH``: the entries it lists."""

@@ -46,6 +46,7 @@ from prefill_client.proxy.backends import (
     CHAT_PATH,
     Backends,
     error_message,
+    no_answer,
     passed_headers,
     relayed_response,
     with_hint,
@@ -242,7 +243,6 @@ def _failed(role: str, base: str, exc: BaseException, timeout_s: float) -> HttpE
     """The caller's answer when ``role``'s ``base`` took the request, then failed it without an answer:
     504 when the request's deadline (``timeout_s``) passed, else 502."""
     if isinstance(exc, asyncio.TimeoutError) and not isinstance(exc, aiohttp.ClientConnectionError):
-        return HttpError(504, f"{role} {base} did not answer within --backend-timeout-s ({timeout_s:g} s)",
-                         kind=UNAVAILABLE)
+        return no_answer(role, base, timeout_s)
     why = str(exc) or type(exc).__name__
     return HttpError(502, f"{role} {base} failed the request without an answer ({why})", kind=UNAVAILABLE)

@@ -425,7 +425,7 @@ def test_a_backend_that_outlives_the_deadline_is_504_and_the_request_is_not_sent
             message = (await resp.json())["error"]["message"]
             assert resp.status == 504 and len(seen) == 1, (resp.status, seen)
             slow = _url(a) if seen == ["a"] else _url(b)
-            assert message == f"backend {slow}: no answer within --backend-timeout-s (0.3 s)"
+            assert message == f"backend {slow} did not answer within --backend-timeout-s (0.3 s)"
             # The slow one is skipped for its back-off: the next request goes to the other.
             hold.set()
             resp = await http.post("/v1/chat/completions", json=_conversation(0, 0))
