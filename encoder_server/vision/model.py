@@ -73,6 +73,9 @@ def _activation(name: str) -> nn.Module:
 
 _ONEDNN: bool = (bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
                  and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+# oneDNN's bfloat16 linear needs AVX-512 (or AMX); on an AVX2-only CPU it cannot build the
+# primitive at all, and the tower takes PyTorch's own bfloat16 matmul.
+_ONEDNN_BF16: bool = _ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _onednn_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -83,8 +86,8 @@ def _onednn_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _onednn_bf16_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Eager bfloat16 inference on a CPU with oneDNN: a linear may take its activation as a post-op."""
-    return (_ONEDNN and x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and not torch.is_grad_enabled())
+    return (_ONEDNN_BF16 and x.device.type == "cpu" and x.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16 and not torch.is_grad_enabled())
 
 
 @torch.library.custom_op("epd::linear_gelu_tanh", mutates_args=())
