@@ -198,6 +198,10 @@ def status_error(exc: grpc.RpcError) -> EpdError:
     return EncoderCallError(code, details)
 
 
+class _GivenUp(Exception):
+    """An Encode call cancelled by :meth:`EncoderConnection.give_up_encodes`."""
+
+
 class EncoderConnection:
     """gRPC channel + handshake + NIXL peer for one encoder target.
 
@@ -229,19 +233,21 @@ class EncoderConnection:
         self.rpc_timeout_s = rpc_timeout_s
         self.encode_timeout_s = encode_timeout_s if encode_timeout_s is not None else rpc_timeout_s
         self._metadata = (("authorization", f"Bearer {tls.auth_token}"),) if tls.auth_token else ()
+        self._tls = tls
         self._channel = self._open_channel(target, tls)
         self._stub = pb2_grpc.EncoderCacheServiceStub(self._channel)
         self._health_check: grpc.UnaryUnaryMultiCallable[
             health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse] = self._channel.unary_unary(
                 "/grpc.health.v1.Health/Check", request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                 response_deserializer=health_pb2.HealthCheckResponse.FromString)
-        # Encode takes its request already in wire format (encode_request_bytes).
-        self._encode_raw: grpc.UnaryUnaryMultiCallable[bytes, pb2.EncodeResponse] = self._channel.unary_unary(
-            f"/{SERVICE_NAME}/Encode", request_serializer=None,
-            response_deserializer=pb2.EncodeResponse.FromString)
+        # Encode has a channel of its own, so that giving its calls up (give_up_encodes) is closing it.
+        self._encode_channel, self._encode_raw = self._open_encode()
         self._lock = threading.Lock()
         self._release_lock = threading.Lock()  # not _lock: that one is held across a handshake
         self._releases: set[grpc.Future[pb2.ReleaseResponse]] = set()
+        self._encodes = 0  # Encode calls in flight
+        self._encode_generation = 0  # Encode channels given up so far
+        self._gave_up = ""  # why the last one was
         self._call_prefix = secrets.token_hex(8)  # call ids: unique per connection object, never reused
         self._calls = 0
         self._peer: ProducerPeer | None = None
@@ -268,6 +274,13 @@ class EncoderConnection:
             creds = grpc.ssl_channel_credentials(read(tls.ca), read(tls.key), read(tls.cert))
             return grpc.secure_channel(target, creds, options=options)
         return grpc.insecure_channel(target, options=options)
+
+    def _open_encode(self) -> tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable[bytes, pb2.EncodeResponse]]:
+        """A channel for Encode calls, and the call, which takes its request already in wire format
+        (encode_request_bytes)."""
+        channel = self._open_channel(self.target, self._tls)
+        return channel, channel.unary_unary(f"/{SERVICE_NAME}/Encode", request_serializer=None,
+                                            response_deserializer=pb2.EncodeResponse.FromString)
 
     # --- handshake -----------------------------------------------------------------------
 
@@ -379,6 +392,9 @@ class EncoderConnection:
             request = build(self.incarnation_id, call_id)
             try:
                 resp = rpc(request, timeout=timeout_s or self.rpc_timeout_s, metadata=self._metadata)
+            except _GivenUp:
+                self.abandon([call_id])  # it may wake and answer
+                raise EncoderUnreachable(grpc.StatusCode.CANCELLED, self._gave_up) from None
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     self.abandon([call_id])
@@ -394,7 +410,7 @@ class EncoderConnection:
         raise HandshakeError(f"encoder {self.target} changed incarnation twice during one call")
 
     def encode(self, items: Sequence[MediaSpec]) -> list[pb2.ItemLocation]:
-        resp = self._call(self._encode_raw, lambda incarnation, call_id: encode_request_bytes(
+        resp = self._call(self._encode_call, lambda incarnation, call_id: encode_request_bytes(
             self.model_id, self.consumer_id, incarnation, items, call_id), self.encode_timeout_s)
         results = list(resp.results)
         for i, result in enumerate(results):
@@ -404,6 +420,38 @@ class EncoderConnection:
                 label = f"item {i}" + (f" ({items[i].uuid})" if items[i].uuid else "")
                 raise self._item_error(label, result.error)
         return [r.location for r in results]
+
+    def _encode_call(self, request: bytes, *, timeout: float,
+                     metadata: tuple[tuple[str, str], ...]) -> pb2.EncodeResponse:
+        """The Encode RPC; :class:`_GivenUp` when :meth:`give_up_encodes` closed its channel under it.
+        (A blocking call: its future would add a thread hand-off, about 0.5 ms a call on two cores.)"""
+        with self._release_lock:
+            generation, call = self._encode_generation, self._encode_raw
+            self._encodes += 1
+        try:
+            return call(request, timeout=timeout, metadata=metadata)
+        except (grpc.RpcError, ValueError) as exc:  # ValueError: started on a channel closed just before
+            if generation != self._encode_generation:
+                raise _GivenUp() from exc
+            raise
+        finally:
+            with self._release_lock:
+                self._encodes -= 1
+
+    def give_up_encodes(self, why: str) -> int:
+        """Cancel the Encode calls in flight (the encoder stopped answering: ``why``): each fails
+        at once with :class:`EncoderUnreachable` (CANCELLED, ``why``), its leases given up by call
+        id, so that its items go to the next encoder instead of waiting out ``encode_timeout_s``.
+        Later Encodes go out on a new channel. Returns how many were in flight."""
+        with self._release_lock:
+            if not self._encodes:
+                return 0
+            given_up, old = self._encodes, self._encode_channel
+            self._gave_up = why
+            self._encode_generation += 1
+            self._encode_channel, self._encode_raw = self._open_encode()
+        old.close()
+        return given_up
 
     def _item_error(self, label: str, error: pb2.ItemError) -> EpdError:
         """Our typed error for one item's failure in an Encode answer."""
@@ -490,3 +538,4 @@ class EncoderConnection:
                 pass
         self.reset()
         self._channel.close()
+        self._encode_channel.close()

@@ -19,7 +19,11 @@ cluster without a restart:
   to the first *ready* encoder in their rendezvous order, and only when none
   is ready to the others, in the same order (the call then fails over as
   before). Items already leased on a non-ready encoder are still pulled and
-  released there: the client calls that connection directly.
+  released there: the client calls that connection directly. An encoder
+  that stops answering (missed deadlines, not NOT_SERVING) also loses the
+  ``Encode`` calls it has in flight, while another encoder is ready: they
+  are cancelled and their items fail over, instead of waiting out the
+  ``Encode``'s deadline on a frozen process.
 - **Identity.** Encoders are ranked for an item by the name each announces in
   its handshake (``--encoder-id``; the pod's host name and port by default),
   not by address: behind a headless Service a restarted pod comes back on
@@ -233,6 +237,7 @@ class EncoderPool:
         :data:`MISSED_PROBES`-th time in a row."""
         members = list(self._members.items())
         calls = [(target, member, member.conn.readiness(self.health_timeout_s)) for target, member in members]
+        stopped: list[_Member] = []  # ready until this probe, which it missed once too often
         for target, member, call in calls:
             answer: bool | None
             try:
@@ -243,8 +248,28 @@ class EncoderPool:
             ready, member.missed = after_probe(member.ready, member.missed, answer)
             if ready != member.ready:
                 logger.info("encoder %s is %s", target, "ready" if ready else "not ready (no new items)")
+                if answer is None:
+                    stopped.append(member)
             member.ready = ready
         self._count()
+        self._give_up_on(stopped)
+
+    def _give_up_on(self, stopped: Sequence[_Member]) -> None:
+        """Cancel the Encodes in flight on encoders that stopped answering (frozen, or cut off), so
+        that their items go to the next encoder now rather than at ``encode_timeout_s``; but only
+        while another encoder is ready to take them. An encoder that answers NOT_SERVING (draining)
+        finishes the calls it has; with no other encoder ready, a late answer is the only one."""
+        now = time.monotonic()
+        if not stopped or not any(m.takes_items(now) for m in self._members.values()):
+            return
+        for member in stopped:
+            why = (f"encoder {member.conn.target} missed {member.missed} readiness checks in a row "
+                   f"({self.health_timeout_s} s each); its Encode calls were given up")
+            cancelled = member.conn.give_up_encodes(why)
+            self.metrics.encodes_given_up.inc(cancelled)
+            if cancelled:
+                logger.warning("encoder %s stopped answering: %d Encode calls given up, their items go to "
+                               "the next encoder", member.conn.target, cancelled)
 
     def _count(self) -> None:
         members = list(self._members.values())

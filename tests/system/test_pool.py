@@ -1,4 +1,4 @@
-"""Encoders join, leave, warm up and drain under a running client, through real processes.
+"""Encoders join, leave, warm up, drain and freeze under a running client, through real processes.
 
 The client follows a ``file:`` target list the test edits (as a mounted list or
 a re-resolved name would change), with a short refresh. Every delivered
@@ -14,19 +14,20 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from common.metrics import EPD_ENCODE_REQUESTS
+from common.metrics import EPD_ENCODE_REQUESTS, EPD_LEASES_ACTIVE
 from epd_harness.media import image_bytes
 from epd_harness.procs import EncoderProcess, start_encoder
 from epd_harness.waits import wait_ready
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import MediaSpec
 from prefill_client.consumer.routing import rendezvous_order
-from tests.reliability.support import wait_until
+from tests.reliability.support import freeze, thaw, wait_until
 from tests.support.reference import Reference, matches
 from tests.support.scrape import scrape
 
@@ -86,17 +87,26 @@ def _encode_verified(client: EncoderCacheClient, images: list[bytes]) -> list[st
     return where
 
 
-@pytest.fixture
-def encoders(tmp_path: Path) -> Iterator[list[EncoderProcess]]:
+def _started(tmp_path: Path, count: int) -> Iterator[list[EncoderProcess]]:
     started: list[EncoderProcess] = []
     try:
-        for i in range(3):
+        for i in range(count):
             started.append(start_encoder(tmp_path, "--transport", "mock", "--drain-grace-s", "30",
                                          name=f"enc{i}"))
         yield started
     finally:
         for enc in started:
             enc.kill()
+
+
+@pytest.fixture
+def encoders(tmp_path: Path) -> Iterator[list[EncoderProcess]]:
+    yield from _started(tmp_path, 3)
+
+
+@pytest.fixture
+def two_encoders(tmp_path: Path) -> Iterator[list[EncoderProcess]]:
+    yield from _started(tmp_path, 2)
 
 
 def _spawn_warming(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, int]:
@@ -180,3 +190,29 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
         assert e2.target not in where
         assert _encodes(e2.metrics_port) == before
         assert client.metrics.routed_away._value.get() >= 8
+
+
+ENCODE_DEADLINE_S = 60.0  # the proxy's default: what a frozen encoder's Encode would wait out
+
+
+def test_a_frozen_encoders_encode_in_flight_goes_to_the_next_encoder(two_encoders: list[EncoderProcess]) -> None:
+    e0, e1 = two_encoders
+    with EncoderCacheClient([e0.target, e1.target], MODEL, transport_kind="mock", membership_refresh_s=REFRESH_S,
+                            encode_timeout_s=ENCODE_DEADLINE_S) as client:
+        [first, later] = Images(client).preferring(e0.target, [e0.target, e1.target], 2, 0)
+        assert _encode_verified(client, [first]) == [e0.target]
+        # Frozen while ready, so that the next Encode goes to it and waits there.
+        freeze(e0.proc.pid)
+        try:
+            start = time.monotonic()
+            assert _encode_verified(client, [later]) == [e1.target]
+            took = time.monotonic() - start
+        finally:
+            thaw(e0.proc.pid)
+        # Given up once e0 missed two readiness checks, seconds, not the Encode's deadline.
+        assert took < ENCODE_DEADLINE_S / 2, took
+        assert client.metrics.encodes_given_up._value.get() == 1  # it went to e0 first, and waited there
+        # Thawed, e0 holds no lease of the call given up (its answer refused by call id, or never made).
+        wait_until(lambda: scrape(e0.metrics_port).get(EPD_LEASES_ACTIVE) == 0, SETTLE_S, "e0 holds no lease")
+        wait_until(lambda: client._pool.ready(e0.target), SETTLE_S, "e0 is ready again")
+        assert _encode_verified(client, [first]) == [e0.target]

@@ -1,15 +1,22 @@
-"""An Encode gets its own deadline (the encoder's queue and its tower), the other calls ``rpc_timeout_s``."""
+"""An Encode gets its own deadline (the encoder's queue and its tower), the other calls ``rpc_timeout_s``;
+an Encode in flight can be given up before it (its encoder stopped answering)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 
 from common.config import ProxyConfig
 from common.config.shared import TlsConfig
+from common.errors import EncoderUnreachable
 from common.metrics import PrefillMetrics
-from common.wire import pb2
+from common.wire import SERVICE_NAME, pb2
 from prefill_client.consumer.client import EncoderCacheClient
 from prefill_client.consumer.connection import EncoderConnection, MediaSpec
 from prefill_client.proxy.clients import new_client
@@ -70,3 +77,77 @@ def test_the_proxy_gives_its_clients_the_encode_deadline() -> None:
 def test_an_encode_deadline_must_be_positive(value: float) -> None:
     with pytest.raises(Exception, match="encode_timeout_s"):
         ProxyConfig(encoders=("a:1",), backends=("http://b",), encode_timeout_s=value)
+
+
+class Stalled:
+    """A gRPC server whose Encode takes the call and never answers (a frozen encoder's, as the
+    client sees it); it records the Release requests it gets."""
+
+    def __init__(self) -> None:
+        self.taken = threading.Event()
+        self.released: list[pb2.ReleaseRequest] = []
+        self._stop = threading.Event()
+        handlers = {
+            "Encode": grpc.unary_unary_rpc_method_handler(self._encode, request_deserializer=None,
+                                                          response_serializer=pb2.EncodeResponse.SerializeToString),
+            "Release": grpc.unary_unary_rpc_method_handler(
+                self._release, request_deserializer=pb2.ReleaseRequest.FromString,
+                response_serializer=pb2.ReleaseResponse.SerializeToString),
+        }
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def _encode(self, request: bytes, context: grpc.ServicerContext) -> pb2.EncodeResponse:
+        self.taken.set()
+        self._stop.wait(30)
+        return pb2.EncodeResponse()
+
+    def _release(self, request: pb2.ReleaseRequest, context: grpc.ServicerContext) -> pb2.ReleaseResponse:
+        self.released.append(request)
+        return pb2.ReleaseResponse()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.server.stop(0)
+
+
+@pytest.fixture
+def stalled() -> Iterator[Stalled]:
+    server = Stalled()
+    yield server
+    server.stop()
+
+
+def test_an_encode_in_flight_is_given_up_at_once_and_its_leases_by_call_id(stalled: Stalled) -> None:
+    conn = EncoderConnection(f"127.0.0.1:{stalled.port}", "m", "c", None, PrefillMetrics(), tls=TlsConfig(),
+                             rpc_timeout_s=5.0, encode_timeout_s=60.0)
+    conn.peer = lambda: None  # type: ignore[method-assign,assignment,return-value]  # no handshake
+    try:
+        assert conn.give_up_encodes("nothing in flight") == 0
+        failed: list[BaseException] = []
+        caller = threading.Thread(target=lambda: _catch(failed, lambda: conn.encode([MediaSpec.image(b"png")])))
+        caller.start()
+        assert stalled.taken.wait(10), "the Encode never reached the server"
+        start = time.monotonic()
+        assert conn.give_up_encodes("encoder X missed 2 readiness checks") == 1
+        caller.join(10)
+        assert not caller.is_alive() and time.monotonic() - start < 5.0  # not the Encode's 60 s
+        [exc] = failed
+        assert isinstance(exc, EncoderUnreachable) and exc.code == grpc.StatusCode.CANCELLED
+        assert exc.details == "encoder X missed 2 readiness checks"
+        deadline = time.monotonic() + 10
+        while not stalled.released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        [release] = stalled.released  # the call id, so that an answer still to come is refused
+        assert len(release.call_ids) == 1 and release.call_ids[0].startswith(conn._call_prefix)
+    finally:
+        conn.close()
+
+
+def _catch(into: list[BaseException], call: Any) -> None:
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - the test reads it
+        into.append(exc)

@@ -58,6 +58,7 @@ class FakeConnection:
         self.encoder_id = ""
         self.incarnation_id = ""
         self.handshakes = 0
+        self.given_up = []  # the reasons give_up_encodes was called with
 
     wrong_weights: set[str] = set()
 
@@ -71,6 +72,12 @@ class FakeConnection:
 
     def readiness(self, timeout_s: float) -> _Answer:
         return _Answer(self.status.get(self.target, SERVING))
+
+    def give_up_encodes(self, why: str) -> int:
+        self.given_up.append(why)
+        return 1
+
+    given_up: list[str]
 
     def close(self) -> None:
         self.closed = True
@@ -144,6 +151,32 @@ def test_one_late_probe_keeps_a_ready_encoder_its_items_two_in_a_row_do_not(list
     FakeConnection.status = {"h1:1": LATE}
     pool.refresh()
     assert not pool.ready("h1:1")
+
+
+def test_an_encoder_that_stops_answering_loses_its_encodes_in_flight_while_another_is_ready(listing: Path) -> None:
+    metrics = PrefillMetrics()
+    pool = _pool(listing, metrics)
+    h1, h2, h3 = (pool.conn(t) for t in ("h1:1", "h2:2", "h3:3"))
+    FakeConnection.status = {"h2:2": LATE}
+    pool.refresh()
+    assert h2.given_up == []  # type: ignore[union-attr]  # one late answer: a busy node keeps its calls
+    pool.refresh()
+    assert h2.given_up == [  # type: ignore[union-attr]
+        f"encoder h2:2 missed {MISSED_PROBES} readiness checks in a row (0.5 s each); its Encode calls were given up"]
+    pool.refresh()
+    assert len(h2.given_up) == 1  # type: ignore[union-attr]  # once, when it stops; calls sent since stay
+    assert metrics.encodes_given_up._value.get() == 1  # what the fake cancelled
+    # Draining (NOT_SERVING) finishes what it has; refused, its calls fail by themselves.
+    FakeConnection.status = {"h1:1": NOT_SERVING, "h3:3": None}
+    pool.refresh()
+    assert h1.given_up == [] and h3.given_up == []  # type: ignore[union-attr]
+    # With no other encoder ready, a late answer is the only one: nothing is given up.
+    FakeConnection.status = {"h1:1": NOT_SERVING, "h2:2": NOT_SERVING}
+    pool.refresh()
+    FakeConnection.status = {"h1:1": NOT_SERVING, "h2:2": NOT_SERVING, "h3:3": LATE}
+    pool.refresh()
+    pool.refresh()
+    assert not pool.ready("h3:3") and h3.given_up == []  # type: ignore[union-attr]
 
 
 def test_a_failed_call_routes_around_until_the_next_probe(listing: Path) -> None:
