@@ -70,7 +70,7 @@ EPD_ENCODERS_KNOWN = "epd_encoders_known"
 EPD_ENCODERS_READY = "epd_encoders_ready"
 EPD_MEMBERSHIP_REFRESHES = "epd_encoder_membership_refreshes"
 EPD_ROUTED_AWAY = "epd_items_routed_away"
-EPD_ENCODES_GIVEN_UP = "epd_encodes_given_up"
+EPD_CALLS_GIVEN_UP = "epd_encoder_calls_given_up"
 # Encoder service.
 EPD_ENCODE_REQUESTS = "epd_encoder_requests"
 EPD_ENCODE_LATENCY = "epd_encoder_encode_latency_seconds"
@@ -244,9 +244,9 @@ class PrefillMetrics(InputProcessorMetrics):
         self.routed_away = Counter(
             EPD_ROUTED_AWAY, "Items sent to an encoder other than their first in rendezvous order (it was not "
             "ready, or down)", registry=r)
-        self.encodes_given_up = Counter(
-            EPD_ENCODES_GIVEN_UP, "Encode calls cancelled in flight because their encoder stopped answering "
-            "readiness checks (their items went to the next encoder)", registry=r)
+        self.calls_given_up = Counter(
+            EPD_CALLS_GIVEN_UP, "Encode and Lookup calls cancelled in flight because their encoder stopped "
+            "answering readiness checks (their items went to the next encoder)", registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,6 +8,7 @@ so no READ ever goes through descriptors of a previous incarnation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import secrets
@@ -199,7 +200,7 @@ def status_error(exc: grpc.RpcError) -> EpdError:
 
 
 class _GivenUp(Exception):
-    """An Encode call cancelled by :meth:`EncoderConnection.give_up_encodes`."""
+    """A call cancelled by :meth:`EncoderConnection.give_up_calls`."""
 
 
 class EncoderConnection:
@@ -240,13 +241,14 @@ class EncoderConnection:
             health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse] = self._channel.unary_unary(
                 "/grpc.health.v1.Health/Check", request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                 response_deserializer=health_pb2.HealthCheckResponse.FromString)
-        # Encode has a channel of its own, so that giving its calls up (give_up_encodes) is closing it.
-        self._encode_channel, self._encode_raw = self._open_encode()
+        # Encode and Lookup, which wait on the encoder's work, have a channel of their own, so that
+        # giving their calls up (give_up_calls) is closing it.
+        self._work_channel, self._work = self._open_work()
         self._lock = threading.Lock()
         self._release_lock = threading.Lock()  # not _lock: that one is held across a handshake
         self._releases: set[grpc.Future[pb2.ReleaseResponse]] = set()
-        self._encodes = 0  # Encode calls in flight
-        self._encode_generation = 0  # Encode channels given up so far
+        self._working = 0  # Encode and Lookup calls in flight
+        self._work_generation = 0  # their channels given up so far
         self._gave_up = ""  # why the last one was
         self._call_prefix = secrets.token_hex(8)  # call ids: unique per connection object, never reused
         self._calls = 0
@@ -275,12 +277,17 @@ class EncoderConnection:
             return grpc.secure_channel(target, creds, options=options)
         return grpc.insecure_channel(target, options=options)
 
-    def _open_encode(self) -> tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable[bytes, pb2.EncodeResponse]]:
-        """A channel for Encode calls, and the call, which takes its request already in wire format
-        (encode_request_bytes)."""
+    def _open_work(self) -> tuple[grpc.Channel, dict[str, grpc.UnaryUnaryMultiCallable[Any, Any]]]:
+        """A channel for Encode and Lookup calls, and the two calls by name. Encode takes its request
+        already in wire format (encode_request_bytes)."""
         channel = self._open_channel(self.target, self._tls)
-        return channel, channel.unary_unary(f"/{SERVICE_NAME}/Encode", request_serializer=None,
-                                            response_deserializer=pb2.EncodeResponse.FromString)
+        return channel, {
+            "Encode": channel.unary_unary(f"/{SERVICE_NAME}/Encode", request_serializer=None,
+                                          response_deserializer=pb2.EncodeResponse.FromString),
+            "Lookup": channel.unary_unary(f"/{SERVICE_NAME}/Lookup",
+                                          request_serializer=pb2.LookupRequest.SerializeToString,
+                                          response_deserializer=pb2.LookupResponse.FromString),
+        }
 
     # --- handshake -----------------------------------------------------------------------
 
@@ -410,8 +417,8 @@ class EncoderConnection:
         raise HandshakeError(f"encoder {self.target} changed incarnation twice during one call")
 
     def encode(self, items: Sequence[MediaSpec]) -> list[pb2.ItemLocation]:
-        resp = self._call(self._encode_call, lambda incarnation, call_id: encode_request_bytes(
-            self.model_id, self.consumer_id, incarnation, items, call_id), self.encode_timeout_s)
+        resp = self._call(functools.partial(self._work_call, "Encode"), lambda incarnation, call_id: (
+            encode_request_bytes(self.model_id, self.consumer_id, incarnation, items, call_id)), self.encode_timeout_s)
         results = list(resp.results)
         for i, result in enumerate(results):
             if result.WhichOneof("outcome") == "error":
@@ -421,35 +428,35 @@ class EncoderConnection:
                 raise self._item_error(label, result.error)
         return [r.location for r in results]
 
-    def _encode_call(self, request: bytes, *, timeout: float,
-                     metadata: tuple[tuple[str, str], ...]) -> pb2.EncodeResponse:
-        """The Encode RPC; :class:`_GivenUp` when :meth:`give_up_encodes` closed its channel under it.
-        (A blocking call: its future would add a thread hand-off, about 0.5 ms a call on two cores.)"""
+    def _work_call(self, method: str, request: Any, *, timeout: float, metadata: tuple[tuple[str, str], ...]) -> Any:
+        """An Encode or Lookup RPC (``method``); :class:`_GivenUp` when :meth:`give_up_calls` closed
+        its channel under it. (A blocking call: a future would add a thread hand-off, about 0.5 ms
+        a call on two cores.)"""
         with self._release_lock:
-            generation, call = self._encode_generation, self._encode_raw
-            self._encodes += 1
+            generation, call = self._work_generation, self._work[method]
+            self._working += 1
         try:
             return call(request, timeout=timeout, metadata=metadata)
         except (grpc.RpcError, ValueError) as exc:  # ValueError: started on a channel closed just before
-            if generation != self._encode_generation:
+            if generation != self._work_generation:
                 raise _GivenUp() from exc
             raise
         finally:
             with self._release_lock:
-                self._encodes -= 1
+                self._working -= 1
 
-    def give_up_encodes(self, why: str) -> int:
-        """Cancel the Encode calls in flight (the encoder stopped answering: ``why``): each fails
-        at once with :class:`EncoderUnreachable` (CANCELLED, ``why``), its leases given up by call
-        id, so that its items go to the next encoder instead of waiting out ``encode_timeout_s``.
-        Later Encodes go out on a new channel. Returns how many were in flight."""
+    def give_up_calls(self, why: str) -> int:
+        """Cancel the Encode and Lookup calls in flight (the encoder stopped answering: ``why``):
+        each fails at once with :class:`EncoderUnreachable` (CANCELLED, ``why``), its leases given
+        up by call id, so that its items go to the next encoder instead of waiting out the call's
+        deadline. Later calls go out on a new channel. Returns how many were in flight."""
         with self._release_lock:
-            if not self._encodes:
+            if not self._working:
                 return 0
-            given_up, old = self._encodes, self._encode_channel
+            given_up, old = self._working, self._work_channel
             self._gave_up = why
-            self._encode_generation += 1
-            self._encode_channel, self._encode_raw = self._open_encode()
+            self._work_generation += 1
+            self._work_channel, self._work = self._open_work()
         old.close()
         return given_up
 
@@ -468,7 +475,7 @@ class EncoderConnection:
         return EpdError(f"{label}: {message}")
 
     def lookup(self, mm_hashes: Sequence[str]) -> list[pb2.ItemLocation | None]:
-        resp = self._call(self._stub.Lookup, lambda incarnation, call_id: pb2.LookupRequest(
+        resp = self._call(functools.partial(self._work_call, "Lookup"), lambda incarnation, call_id: pb2.LookupRequest(
             model_id=self.model_id, consumer_id=self.consumer_id, mm_hashes=mm_hashes, incarnation_id=incarnation,
             call_id=call_id))
         return [r.location if r.WhichOneof("outcome") == "location" else None for r in resp.results]
@@ -538,4 +545,4 @@ class EncoderConnection:
                 pass
         self.reset()
         self._channel.close()
-        self._encode_channel.close()
+        self._work_channel.close()

@@ -21,9 +21,9 @@ cluster without a restart:
   before). Items already leased on a non-ready encoder are still pulled and
   released there: the client calls that connection directly. An encoder
   that stops answering (missed deadlines, not NOT_SERVING) also loses the
-  ``Encode`` calls it has in flight, while another encoder is ready: they
-  are cancelled and their items fail over, instead of waiting out the
-  ``Encode``'s deadline on a frozen process.
+  ``Encode`` and ``Lookup`` calls it has in flight, while another encoder is
+  ready: they are cancelled and their items fail over, instead of waiting
+  out the calls' deadlines on a frozen process.
 - **Identity.** Encoders are ranked for an item by the name each announces in
   its handshake (``--encoder-id``; the pod's host name and port by default),
   not by address: behind a headless Service a restarted pod comes back on
@@ -255,8 +255,8 @@ class EncoderPool:
         self._give_up_on(stopped)
 
     def _give_up_on(self, stopped: Sequence[_Member]) -> None:
-        """Cancel the Encodes in flight on encoders that stopped answering (frozen, or cut off), so
-        that their items go to the next encoder now rather than at ``encode_timeout_s``; but only
+        """Cancel the Encodes and Lookups in flight on encoders that stopped answering (frozen, or cut
+        off), so that their items go to the next encoder now rather than at the calls' deadlines; but only
         while another encoder is ready to take them. An encoder that answers NOT_SERVING (draining)
         finishes the calls it has; with no other encoder ready, a late answer is the only one."""
         now = time.monotonic()
@@ -264,12 +264,12 @@ class EncoderPool:
             return
         for member in stopped:
             why = (f"encoder {member.conn.target} missed {member.missed} readiness checks in a row "
-                   f"({self.health_timeout_s} s each); its Encode calls were given up")
-            cancelled = member.conn.give_up_encodes(why)
-            self.metrics.encodes_given_up.inc(cancelled)
+                   f"({self.health_timeout_s} s each); its calls were given up")
+            cancelled = member.conn.give_up_calls(why)
+            self.metrics.calls_given_up.inc(cancelled)
             if cancelled:
-                logger.warning("encoder %s stopped answering: %d Encode calls given up, their items go to "
-                               "the next encoder", member.conn.target, cancelled)
+                logger.warning("encoder %s stopped answering: %d Encode or Lookup calls given up, their items "
+                               "go to the next encoder", member.conn.target, cancelled)
 
     def _count(self) -> None:
         members = list(self._members.values())

@@ -195,7 +195,7 @@ def test_encoders_join_leave_warm_and_drain_under_a_running_client(
 ENCODE_DEADLINE_S = 60.0  # the proxy's default: what a frozen encoder's Encode would wait out
 
 
-def test_a_frozen_encoders_encode_in_flight_goes_to_the_next_encoder(two_encoders: list[EncoderProcess]) -> None:
+def test_a_frozen_encoders_calls_in_flight_go_to_the_next_encoder(two_encoders: list[EncoderProcess]) -> None:
     e0, e1 = two_encoders
     with EncoderCacheClient([e0.target, e1.target], MODEL, transport_kind="mock", membership_refresh_s=REFRESH_S,
                             encode_timeout_s=ENCODE_DEADLINE_S) as client:
@@ -211,8 +211,24 @@ def test_a_frozen_encoders_encode_in_flight_goes_to_the_next_encoder(two_encoder
             thaw(e0.proc.pid)
         # Given up once e0 missed two readiness checks, seconds, not the Encode's deadline.
         assert took < ENCODE_DEADLINE_S / 2, took
-        assert client.metrics.encodes_given_up._value.get() == 1  # it went to e0 first, and waited there
+        assert client.metrics.calls_given_up._value.get() == 1  # it went to e0 first, and waited there
         # Thawed, e0 holds no lease of the call given up (its answer refused by call id, or never made).
         wait_until(lambda: scrape(e0.metrics_port).get(EPD_LEASES_ACTIVE) == 0, SETTLE_S, "e0 holds no lease")
         wait_until(lambda: client._pool.ready(e0.target), SETTLE_S, "e0 is ready again")
         assert _encode_verified(client, [first]) == [e0.target]
+
+        # A placed item is looked up where it was placed: frozen there, the Lookup is given up too,
+        # and the item is encoded on the next encoder.
+        spec = MediaSpec.image(first)
+        [placed] = client.place([spec])
+        assert placed.encoder == e0.target
+        client.release_placed([placed])
+        freeze(e0.proc.pid)
+        try:
+            [placed] = client.place([spec])
+            assert placed.encoder == e1.target
+            [item] = client.pull_placed([placed])
+            assert matches(item.embeddings, REF.image(first))
+        finally:
+            thaw(e0.proc.pid)
+        assert client.metrics.calls_given_up._value.get() == 2

@@ -42,19 +42,19 @@ def _connection(**deadlines: float) -> EncoderConnection:
 
 def test_an_encode_waits_its_own_deadline_and_a_lookup_the_rpc_deadline() -> None:
     conn = _connection(rpc_timeout_s=2.0, encode_timeout_s=45.0)
-    conn._encode_raw = Recorder(pb2.EncodeResponse())  # type: ignore[assignment]
-    lookup = Recorder(pb2.LookupResponse())
-    conn._stub.Lookup = lookup  # type: ignore[method-assign]
+    encode, lookup = Recorder(pb2.EncodeResponse()), Recorder(pb2.LookupResponse())
+    conn._work = {"Encode": encode, "Lookup": lookup}  # type: ignore[dict-item]
     conn.encode([MediaSpec.image(b"png")])
     conn.lookup(["0" * 32])
-    assert conn._encode_raw.timeouts == [45.0] and lookup.timeouts == [2.0]  # type: ignore[attr-defined]
+    assert encode.timeouts == [45.0] and lookup.timeouts == [2.0]
 
 
 def test_without_an_encode_deadline_an_encode_takes_the_rpc_deadline() -> None:
     conn = _connection(rpc_timeout_s=2.0)
-    conn._encode_raw = Recorder(pb2.EncodeResponse())  # type: ignore[assignment]
+    encode = Recorder(pb2.EncodeResponse())
+    conn._work["Encode"] = encode  # type: ignore[assignment]
     conn.encode([MediaSpec.image(b"png")])
-    assert conn._encode_raw.timeouts == [2.0]  # type: ignore[attr-defined]
+    assert encode.timeouts == [2.0]
     client = EncoderCacheClient("127.0.0.1:9", "m", transport_kind="mock", rpc_timeout_s=2.0, landing_blocks=1)
     try:
         assert client.encode_timeout_s == 2.0  # a library client's default
@@ -80,16 +80,18 @@ def test_an_encode_deadline_must_be_positive(value: float) -> None:
 
 
 class Stalled:
-    """A gRPC server whose Encode takes the call and never answers (a frozen encoder's, as the
-    client sees it); it records the Release requests it gets."""
+    """A gRPC server whose Encode and Lookup take the call and never answer (a frozen encoder's,
+    as the client sees it); it records the Release requests it gets."""
 
     def __init__(self) -> None:
         self.taken = threading.Event()
         self.released: list[pb2.ReleaseRequest] = []
         self._stop = threading.Event()
         handlers = {
-            "Encode": grpc.unary_unary_rpc_method_handler(self._encode, request_deserializer=None,
+            "Encode": grpc.unary_unary_rpc_method_handler(self._stall, request_deserializer=None,
                                                           response_serializer=pb2.EncodeResponse.SerializeToString),
+            "Lookup": grpc.unary_unary_rpc_method_handler(self._stall, request_deserializer=None,
+                                                          response_serializer=pb2.LookupResponse.SerializeToString),
             "Release": grpc.unary_unary_rpc_method_handler(
                 self._release, request_deserializer=pb2.ReleaseRequest.FromString,
                 response_serializer=pb2.ReleaseResponse.SerializeToString),
@@ -99,10 +101,10 @@ class Stalled:
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
 
-    def _encode(self, request: bytes, context: grpc.ServicerContext) -> pb2.EncodeResponse:
+    def _stall(self, request: bytes, context: grpc.ServicerContext) -> Any:
         self.taken.set()
         self._stop.wait(30)
-        return pb2.EncodeResponse()
+        context.abort(grpc.StatusCode.INTERNAL, "thawed")
 
     def _release(self, request: pb2.ReleaseRequest, context: grpc.ServicerContext) -> pb2.ReleaseResponse:
         self.released.append(request)
@@ -120,20 +122,22 @@ def stalled() -> Iterator[Stalled]:
     server.stop()
 
 
-def test_an_encode_in_flight_is_given_up_at_once_and_its_leases_by_call_id(stalled: Stalled) -> None:
+@pytest.mark.parametrize("method", ["Encode", "Lookup"])
+def test_a_call_in_flight_is_given_up_at_once_and_its_leases_by_call_id(stalled: Stalled, method: str) -> None:
     conn = EncoderConnection(f"127.0.0.1:{stalled.port}", "m", "c", None, PrefillMetrics(), tls=TlsConfig(),
-                             rpc_timeout_s=5.0, encode_timeout_s=60.0)
+                             rpc_timeout_s=60.0, encode_timeout_s=60.0)
     conn.peer = lambda: None  # type: ignore[method-assign,assignment,return-value]  # no handshake
+    call = {"Encode": lambda: conn.encode([MediaSpec.image(b"png")]), "Lookup": lambda: conn.lookup(["0" * 32])}
     try:
-        assert conn.give_up_encodes("nothing in flight") == 0
+        assert conn.give_up_calls("nothing in flight") == 0
         failed: list[BaseException] = []
-        caller = threading.Thread(target=lambda: _catch(failed, lambda: conn.encode([MediaSpec.image(b"png")])))
+        caller = threading.Thread(target=lambda: _catch(failed, call[method]))
         caller.start()
-        assert stalled.taken.wait(10), "the Encode never reached the server"
+        assert stalled.taken.wait(10), f"the {method} never reached the server"
         start = time.monotonic()
-        assert conn.give_up_encodes("encoder X missed 2 readiness checks") == 1
+        assert conn.give_up_calls("encoder X missed 2 readiness checks") == 1
         caller.join(10)
-        assert not caller.is_alive() and time.monotonic() - start < 5.0  # not the Encode's 60 s
+        assert not caller.is_alive() and time.monotonic() - start < 5.0  # not the call's 60 s
         [exc] = failed
         assert isinstance(exc, EncoderUnreachable) and exc.code == grpc.StatusCode.CANCELLED
         assert exc.details == "encoder X missed 2 readiness checks"

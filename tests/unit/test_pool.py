@@ -58,7 +58,7 @@ class FakeConnection:
         self.encoder_id = ""
         self.incarnation_id = ""
         self.handshakes = 0
-        self.given_up = []  # the reasons give_up_encodes was called with
+        self.given_up = []  # the reasons give_up_calls was called with
 
     wrong_weights: set[str] = set()
 
@@ -73,7 +73,7 @@ class FakeConnection:
     def readiness(self, timeout_s: float) -> _Answer:
         return _Answer(self.status.get(self.target, SERVING))
 
-    def give_up_encodes(self, why: str) -> int:
+    def give_up_calls(self, why: str) -> int:
         self.given_up.append(why)
         return 1
 
@@ -162,10 +162,10 @@ def test_an_encoder_that_stops_answering_loses_its_encodes_in_flight_while_anoth
     assert h2.given_up == []  # type: ignore[union-attr]  # one late answer: a busy node keeps its calls
     pool.refresh()
     assert h2.given_up == [  # type: ignore[union-attr]
-        f"encoder h2:2 missed {MISSED_PROBES} readiness checks in a row (0.5 s each); its Encode calls were given up"]
+        f"encoder h2:2 missed {MISSED_PROBES} readiness checks in a row (0.5 s each); its calls were given up"]
     pool.refresh()
     assert len(h2.given_up) == 1  # type: ignore[union-attr]  # once, when it stops; calls sent since stay
-    assert metrics.encodes_given_up._value.get() == 1  # what the fake cancelled
+    assert metrics.calls_given_up._value.get() == 1  # what the fake cancelled
     # Draining (NOT_SERVING) finishes what it has; refused, its calls fail by themselves.
     FakeConnection.status = {"h1:1": NOT_SERVING, "h3:3": None}
     pool.refresh()
