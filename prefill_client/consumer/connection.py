@@ -271,7 +271,7 @@ class EncoderConnection:
 
     def _open_calls(self) -> None:
         """Open the channel and the calls on it. Every call shares one channel: calls spread over
-        two took 0.3-0.8 ms longer each (each channel's machinery idles between its calls), so
+        two took 0.3-0.6 ms longer each (each channel's machinery idles between its calls), so
         giving calls up (:meth:`give_up_calls`) replaces the whole channel."""
         self._channel = channel = self._open_channel(self.target, self._tls)
         self._stub = pb2_grpc.EncoderCacheServiceStub(channel)
