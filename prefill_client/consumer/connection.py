@@ -240,8 +240,8 @@ class EncoderConnection:
         self._release_lock = threading.Lock()  # not _lock: that one is held across a handshake
         self._releases: set[grpc.Future[pb2.ReleaseResponse]] = set()
         self._working = 0  # Encode and Lookup calls in flight
-        self._work_generation = 0  # their channels given up so far
-        self._gave_up = ""  # why the last one was
+        self._work_generation = 0  # channels given up so far (give_up_calls)
+        self._gave_up = ""  # why the last one was given up
         self._call_prefix = secrets.token_hex(8)  # call ids: unique per connection object, never reused
         self._calls = 0
         self._peer: ProducerPeer | None = None
