@@ -58,7 +58,7 @@ class FakeConnection:
         self.encoder_id = ""
         self.incarnation_id = ""
         self.handshakes = 0
-        self.given_up = []  # the reasons give_up_calls was called with
+        self.given_up: list[str] = []  # the reasons give_up_calls was called with
 
     wrong_weights: set[str] = set()
 
@@ -76,8 +76,6 @@ class FakeConnection:
     def give_up_calls(self, why: str) -> int:
         self.given_up.append(why)
         return 1
-
-    given_up: list[str]
 
     def close(self) -> None:
         self.closed = True
