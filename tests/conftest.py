@@ -24,7 +24,10 @@ def venv_bin() -> Path:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start ``mypy --strict`` now when its test is among those collected: it runs beside the
-    tests that come first, and its test only waits for it (see tests/unit/test_typing.py)."""
+    tests that come first, and its test only waits for it (see tests/unit/test_typing.py). Not
+    under xdist: every worker collects every test, and the test runs on one of them."""
+    if hasattr(session.config, "workerinput"):
+        return
     for item in session.items:
         if item.nodeid.endswith("test_typing.py::test_packages_pass_mypy_strict") and isinstance(item, pytest.Function):
             item.module.early = session.config.stash[_MYPY_RUN] = item.module.start_mypy()
@@ -37,3 +40,34 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 _MYPY_RUN = pytest.StashKey[Any]()
+
+
+# Under pytest-xdist (``scripts/dev.sh test`` runs ``-n 2 --dist loadgroup --no-loadscope-reorder``)
+# each module runs whole on one worker, so its module fixtures start once. The modules that start
+# several vLLM engines run one after another, first, on one worker, while the other worker takes the
+# rest of the suite, much of which waits on processes (a core stays idle beside it). Those that race
+# clients against deadlines (a tiny cache, leases of a millisecond) run one after another, last.
+ENGINE_MODULES = frozenset({"tests/system/test_epd_disagg.py", "tests/system/test_proxy_routing.py",
+                            "tests/system/test_vllm.py", "tests/system/test_vllm_families.py"})
+RACE_DIR = "tests/reliability/"
+
+
+def worker_group(module: str) -> str:
+    """The xdist group of the tests of ``module`` (a path relative to the repository root)."""
+    if module in ENGINE_MODULES:
+        return "engines"
+    if module.startswith(RACE_DIR):
+        return "races"
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("dist", "no") != "loadgroup" and not hasattr(config, "workerinput"):
+        return
+    order = {"engines": 0, "races": 2}
+    groups = {item: worker_group(item.nodeid.split("::", 1)[0]) for item in items}
+    items.sort(key=lambda item: order.get(groups[item], 1))  # stable: the modules' own order within each
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(groups[item]))
