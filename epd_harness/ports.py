@@ -5,14 +5,10 @@ the same range to every later ``bind(0)`` and outgoing connection, so between ou
 child's bind another process (a vLLM engine opening its ZMQ sockets, a gRPC channel) can take
 it, and the child dies on ``EADDRINUSE``. These ports come from below the ephemeral range
 instead, which the kernel never assigns by itself, and each is handed out once per process.
-Under pytest-xdist each worker takes its own residue class of them (``PYTEST_XDIST_WORKER`` and
-``PYTEST_XDIST_WORKER_COUNT``, which the processes a worker starts inherit), so two workers never
-hand out one port to two children that have yet to bind it.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 import threading
@@ -40,30 +36,15 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def worker_share() -> tuple[int, int]:
-    """(this xdist worker's index, the number of workers); (0, 1) outside xdist."""
-    name = os.environ.get("PYTEST_XDIST_WORKER", "")
-    try:
-        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-        index = int(name.removeprefix("gw")) if name.startswith("gw") else 0
-    except ValueError:
-        return 0, 1
-    return (index, count) if 0 <= index < count else (0, 1)
-
-
 def free_port() -> int:
     """A port no process listens on, outside the kernel's ephemeral range, not handed out before."""
     top = ephemeral_floor()
     bottom = max(1024, top - _SPAN)
     if top - bottom < 100:
         raise RuntimeError(f"ephemeral port range starts at {top}: no room below it for fixed test ports")
-    index, count = worker_share()
     with _lock:
         for _ in range(200):
             port = random.randrange(bottom, top)
-            port -= (port - index) % count  # this worker's residue class
-            if port < bottom:
-                port += count
             if port not in _given and _bindable(port):
                 _given.add(port)
                 return port

@@ -117,8 +117,6 @@ shift || true
 case "$task" in
     setup) setup ;;
     demo) setup; exec "$VENV/bin/epd" demo "$@" ;;
-    # Two workers (pytest-xdist), each module whole on one; tests/conftest.py says who runs what.
-    # EPD_TEST_WORKERS=0: one process, as pytest alone runs it.
-    test) setup; exec "$VENV/bin/python" -m pytest -n "${EPD_TEST_WORKERS:-2}" "$@" ;;
+    test) setup; exec "$VENV/bin/python" -m pytest "$@" ;;
     *) echo "usage: bash scripts/dev.sh {demo|test|setup} [ARGS]" >&2; exit 2 ;;
 esac

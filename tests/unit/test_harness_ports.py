@@ -29,22 +29,5 @@ def test_a_port_another_process_listens_on_is_skipped(monkeypatch: pytest.Monkey
         spare = probe.getsockname()[1]
         probe.close()
         picks = iter([taken, spare])
-        monkeypatch.setattr(ports, "worker_share", lambda: (0, 1))  # the picks as they are, under xdist too
         monkeypatch.setattr(ports.random, "randrange", lambda lo, hi: next(picks))
         assert ports.free_port() == spare
-
-
-@pytest.mark.parametrize("worker", ["gw0", "gw1", "gw2"])
-def test_each_xdist_worker_hands_out_its_own_ports(monkeypatch: pytest.MonkeyPatch, worker: str) -> None:
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
-    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
-    index = int(worker[2:])
-    assert ports.worker_share() == (index, 3)
-    picks = [free_port() for _ in range(30)]
-    assert all(p % 3 == index and 1024 <= p < ephemeral_floor() for p in picks), picks
-
-
-def test_outside_xdist_every_port_is_a_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "bogus")
-    assert ports.worker_share() == (0, 1)
