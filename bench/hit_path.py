@@ -64,7 +64,7 @@ from common.wire import PROTOCOL_VERSION, pb2, pb2_grpc  # noqa: E402
 from epd_harness.media import image_bytes  # noqa: E402
 from epd_harness.procs import bench_encoder_args, start_encoder  # noqa: E402
 from prefill_client.consumer.client import EncoderCacheClient  # noqa: E402
-from prefill_client.consumer.connection import MediaSpec, encode_request_bytes  # noqa: E402
+from prefill_client.consumer.messages import MediaSpec, encode_request_bytes  # noqa: E402
 
 MODEL_ID = "tiny-qwen3-vl"
 RPC_TIMEOUT_S = 30.0

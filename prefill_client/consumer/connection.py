@@ -47,8 +47,7 @@ from prefill_client.consumer.messages import (  # MediaSpec and content_key: imp
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MIN_RELEASE_TIMEOUT_S", "EncoderConnection", "MediaSpec", "content_key", "encode_request_bytes",
-           "status_error"]
+__all__ = ["MIN_RELEASE_TIMEOUT_S", "EncoderConnection", "MediaSpec", "content_key"]
 
 # A Release that fails pins its items until their leases expire (30 s by default), so it
 # gets at least this long even when the caller's own calls have tight deadlines.

@@ -162,10 +162,9 @@ def _notable(server: Server, lines: int = 30) -> str:
 def _outputs(resp: httpx.Response, split: Split | None = None) -> tuple[list[int], list[float]]:
     """Tokens and logprobs of an answer; ``split``: the answer came through it (a failure shows the
     prefill's and the proxy's last warnings)."""
-    if resp.status_code != 200 and split is not None:
-        raise AssertionError(f"{resp.status_code}: {resp.text}\nprefill log:\n{_notable(split.prefill)}\n"
-                             f"proxy log:\n{_notable(split.proxy)}")
-    assert resp.status_code == 200, resp.text
+    if resp.status_code != 200:
+        logs = f"\nprefill log:\n{_notable(split.prefill)}\nproxy log:\n{_notable(split.proxy)}" if split else ""
+        raise AssertionError(f"{resp.status_code}: {resp.text}{logs}")
     choice = resp.json()["choices"][0]
     return choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
 

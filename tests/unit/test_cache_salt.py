@@ -27,7 +27,7 @@ from encoder_server.engine import EncoderEngine, Failed, Located, MediaInput
 from encoder_server.preprocess import PreprocessConfig, Preprocessor, ProcessedItem
 from epd_harness.media import image_bytes
 from prefill_client.consumer.client import EncoderCacheClient
-from prefill_client.consumer.connection import MediaSpec, encode_request_bytes
+from prefill_client.consumer.messages import MediaSpec, encode_request_bytes
 from prefill_client.consumer.routing import rendezvous_order
 from prefill_client.reference.chat import MediaItem
 from prefill_client.reference.input_processor import InputProcessor

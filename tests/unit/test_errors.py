@@ -97,7 +97,7 @@ class _Status(grpc.RpcError):
     (grpc.StatusCode.UNKNOWN, "exception in handler", errors.EncoderCallError),
 ])
 def test_every_failed_call_becomes_a_typed_error(code: grpc.StatusCode, details: str, cls: type[EpdError]) -> None:
-    from prefill_client.consumer.connection import status_error
+    from prefill_client.consumer.messages import status_error
 
     err = status_error(_Status(code, details))
     assert type(err) is cls

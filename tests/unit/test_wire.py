@@ -43,7 +43,7 @@ def test_buf_lint_standard(repo_root, venv_bin) -> None:
 
 @pytest.mark.parametrize("incarnation", ["", "f" * 32])
 def test_hand_framed_encode_request_parses_to_what_protobuf_builds(incarnation: str) -> None:
-    from prefill_client.consumer.connection import MediaSpec, encode_request_bytes
+    from prefill_client.consumer.messages import MediaSpec, encode_request_bytes
 
     big = bytes(range(256)) * 1200  # a length that needs a three-byte varint
     items = [MediaSpec.image(b"\x89PNG small"), MediaSpec.image(big, uuid="label é"),
@@ -65,7 +65,7 @@ def test_encode_request_fast_path_reads_what_protobuf_reads() -> None:
     from hypothesis import strategies as st
 
     from encoder_server.encode_request import from_message, parse_encode_request
-    from prefill_client.consumer.connection import MediaSpec, encode_request_bytes
+    from prefill_client.consumer.messages import MediaSpec, encode_request_bytes
 
     def normalized(view):  # memoryviews compare by content
         return (view.model_id, view.consumer_id, view.incarnation_id, view.call_id,
