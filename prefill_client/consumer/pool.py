@@ -24,12 +24,16 @@ cluster without a restart:
   ``Encode`` and ``Lookup`` calls it has in flight, while another encoder is
   ready: they are cancelled and their items fail over, instead of waiting
   out the calls' deadlines on a frozen process.
-- **Identity.** Encoders are ranked for an item by the name each announces in
-  its handshake (``--encoder-id``; the pod's host name and port by default),
-  not by address: behind a headless Service a restarted pod comes back on
-  another IP and keeps its items. When there is more than one encoder the
-  pool handshakes with each ready one as it appears (once per incarnation, as
-  the first call would); until then an encoder is ranked by its address.
+- **Identity and first contact.** Encoders are ranked for an item by the name
+  each announces in its handshake (``--encoder-id``; the pod's host name and
+  port by default), not by address: behind a headless Service a restarted pod
+  comes back on another IP and keeps its items. The pool handshakes with each
+  ready encoder as it appears, a lone one included (once per incarnation, as
+  the first call would); until then an encoder is ranked by its address. The
+  handshake also connects the transport (and, for a client that probes its
+  connections, reads once over it), so a request does not pay for first
+  contact: on a busy vLLM worker that set-up has been seen to take longer
+  than a pull's deadline.
 """
 
 from __future__ import annotations
@@ -278,14 +282,14 @@ class EncoderPool:
         self.metrics.encoders_ready.set(sum(m.takes_items(now) for m in members))
 
     def _identify(self) -> None:
-        """Handshake with ready encoders not handshaken yet, to rank them by their announced names.
+        """Handshake with ready encoders not handshaken yet: to rank them by their announced names,
+        and to make first contact (handshake, transport connection) before a request needs it.
 
-        One encoder needs no ranking (and no early handshake). A failure leaves it ranked by
-        address; its own calls report the error.
+        A failure leaves the encoder ranked by address; its own calls report the error.
         """
-        members = list(self._members.values())
-        if len(members) <= 1 or not self._identifies:
+        if not self._identifies:
             return
+        members = list(self._members.values())
         now = time.monotonic()
         for member in members:
             if member.ready and not member.conn.incarnation_id and member.refused_until <= now:

@@ -274,10 +274,24 @@ def test_an_encoder_that_refuses_the_handshake_is_ranked_by_address(listing: Pat
     assert [c.handshakes for c in conns.values()] == [1, 2, 1]  # type: ignore[union-attr]
 
 
-def test_one_encoder_needs_no_early_handshake(tmp_path: Path) -> None:
+def test_a_lone_encoder_is_handshaken_once_it_is_ready() -> None:
+    """First contact (handshake, transport connection) happens as the encoder becomes ready, not
+    inside the first request, also when it is the only encoder; a pool that only watches
+    readiness never handshakes."""
     FakeConnection.names = {"h1:1": "a"}
+    FakeConnection.status = {"h1:1": NOT_SERVING}  # warming up
     pool = EncoderPool(["h1:1"], FakeConnection, PrefillMetrics(), refresh_interval_s=0)  # type: ignore[arg-type]
-    assert pool.conn("h1:1").handshakes == 0  # type: ignore[union-attr]
+    conn = pool.conn("h1:1")
+    assert conn is not None and conn.handshakes == 0  # type: ignore[attr-defined]
+    FakeConnection.status = {}
+    pool.refresh()
+    assert conn.handshakes == 1 and conn.encoder_id == "a"  # type: ignore[attr-defined]
+    pool.refresh()  # once per incarnation
+    assert conn.handshakes == 1  # type: ignore[attr-defined]
+    watch = EncoderPool(["h1:1"], FakeConnection, PrefillMetrics(), refresh_interval_s=0,  # type: ignore[arg-type]
+                        identify=False)
+    watch.refresh()
+    assert watch.conn("h1:1").handshakes == 0  # type: ignore[union-attr]
 
 
 def test_an_encoder_of_other_weights_gets_no_items(listing: Path, monkeypatch: pytest.MonkeyPatch) -> None:
