@@ -137,9 +137,14 @@ def text_message(tag: str, chars: int | None = None) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
 
 
+# An Encode of four 224-336 px images through a 2B-wide tower on the encoder's one core: 20-40 s on a
+# 2-core AVX2 host, past the client's default deadline (10 s).
+PLACE_TIMEOUT_S = 300.0
+
+
 def place(stack: Stack, urls: list[str]) -> None:
     """Put the images on the encoder (encoded there, nothing pulled), leases given back."""
-    with EncoderCacheClient(stack.encoder.target, MODEL) as client:
+    with EncoderCacheClient(stack.encoder.target, MODEL, encode_timeout_s=PLACE_TIMEOUT_S) as client:
         for start in range(0, len(urls), 4):
             specs = [MediaSpec.image(base64.b64decode(u.split(",", 1)[1])) for u in urls[start:start + 4]]
             client.release_placed(client.place(specs))
@@ -356,7 +361,8 @@ async def phase_cached_vs_text(stack: Stack, args: argparse.Namespace, out: dict
     finally:
         parts.close()
     means = parts.means()
-    got = {"image_cached": summary([s.ttft_ms for s in images]), "text_same_length": summary([s.ttft_ms for s in texts]),
+    got = {"image_cached": summary([s.ttft_ms for s in images]),
+           "text_same_length": summary([s.ttft_ms for s in texts]),
            "image_in_vllm": summary([s.ttft_ms for s in repeats]),
            "image_cached_unhinted": summary([s.ttft_ms for s in images_unhinted]),
            "prompt_tokens": images[0].prompt_tokens if images else None, "prompt_token_mismatches": mismatches,
@@ -449,7 +455,8 @@ def main() -> None:
     parser.add_argument("--profile-proxy", metavar="PATH",
                         help="py-spy record the proxy before consumer A over the phases, collapsed stacks into PATH "
                              "(the profiler's own CPU use skews that run's figures)")
-    parser.add_argument("--workdir", help="keep the checkpoints (reused when there) and the processes' logs here (default: a temporary folder)")
+    parser.add_argument("--workdir", help="keep the checkpoints (reused when there) and the processes' logs here "
+                                          "(default: a temporary folder)")
     args = parser.parse_args()
     args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     if set(args.phases) - set("abcdev"):

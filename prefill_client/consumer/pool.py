@@ -48,7 +48,7 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health_pb2
 
-from common.errors import ConfigError, EpdError, LoadFailureReason, WeightsMismatchError
+from common.errors import ConfigError, EpdError, HandshakeError, LoadFailureReason, WeightsMismatchError
 from common.metrics import PrefillMetrics
 from prefill_client.consumer.connection import EncoderConnection
 from prefill_client.consumer.pull import load_failure
@@ -90,6 +90,7 @@ class _Member:
     ready: bool = True  # until the first probe says otherwise
     refused_until: float = 0.0  # serves other vision weights: no new items, no handshake before then
     missed: int = 0  # readiness probes in a row that got no answer by their deadline
+    identify_after: float = 0.0  # refused the handshake (model id, layout): not asked early again before then
 
     def takes_items(self, now: float) -> bool:
         return self.ready and self.refused_until <= now
@@ -292,13 +293,19 @@ class EncoderPool:
         members = list(self._members.values())
         now = time.monotonic()
         for member in members:
-            if member.ready and not member.conn.incarnation_id and member.refused_until <= now:
+            if member.ready and not member.conn.incarnation_id and max(member.refused_until,
+                                                                       member.identify_after) <= now:
                 try:
                     member.conn.peer()
                 except WeightsMismatchError as exc:
                     # Unusable for this client until it rolls: asked again only after a while.
                     member.refused_until = now + REFUSED_RETRY_S
                     logger.warning("%s; no items go there (asked again in %.0f s)", exc, REFUSED_RETRY_S)
+                except HandshakeError as exc:
+                    # Another model id or layout: a redeploy fixes it, not a retry every refresh. Calls
+                    # still go there and fail with this error, naming both sides.
+                    member.identify_after = now + REFUSED_RETRY_S
+                    logger.info("%s (handshake asked again in %.0f s, or by the next call)", exc, REFUSED_RETRY_S)
                 except EpdError as exc:
                     logger.debug("encoder %s not identified yet: %s", member.conn.target, exc)
         self._count()

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from common.errors import ConfigError, WeightsMismatchError
+from common.errors import ConfigError, HandshakeError, WeightsMismatchError
 from common.metrics import PrefillMetrics
 from prefill_client.consumer import pool as pool_module
 from prefill_client.consumer.pool import MISSED_PROBES, EncoderPool, after_probe
@@ -61,11 +61,14 @@ class FakeConnection:
         self.given_up: list[str] = []  # the reasons give_up_calls was called with
 
     wrong_weights: set[str] = set()
+    other_model: set[str] = set()  # targets that refuse the handshake's model id
 
     def peer(self) -> None:
         self.handshakes += 1
         if self.target in self.wrong_weights:
             raise WeightsMismatchError(self.target, "b3:expected", "b3:other")
+        if self.target in self.other_model:
+            raise HandshakeError(f"model_id mismatch: {self.target} serves 'other'")
         if self.target not in self.names:
             raise ConfigError(f"{self.target} refuses the handshake")
         self.encoder_id, self.incarnation_id = self.names[self.target], "inc"
@@ -81,9 +84,15 @@ class FakeConnection:
         self.closed = True
 
 
+@pytest.fixture(autouse=True)
+def _fresh_fakes() -> None:
+    """Every test starts from encoders that are ready and answer every handshake."""
+    FakeConnection.status, FakeConnection.names, FakeConnection.wrong_weights = {}, {}, set()
+    FakeConnection.other_model = set()
+
+
 @pytest.fixture
 def listing(tmp_path: Path) -> Iterator[Path]:
-    FakeConnection.status, FakeConnection.names, FakeConnection.wrong_weights = {}, {}, set()
     path = tmp_path / "encoders"
     path.write_text("# three encoders\nh1:1\nh2:2  # second\n\nh3:3\n")
     yield path
@@ -292,6 +301,24 @@ def test_a_lone_encoder_is_handshaken_once_it_is_ready() -> None:
                         identify=False)
     watch.refresh()
     assert watch.conn("h1:1").handshakes == 0  # type: ignore[union-attr]
+
+
+def test_an_encoder_of_another_model_is_not_asked_on_every_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused handshake (model id, layout) waits for a redeploy: the early handshake is tried
+    again only after REFUSED_RETRY_S (a call still handshakes itself and reports the error)."""
+    FakeConnection.names, FakeConnection.other_model = {"h1:1": "a"}, {"h1:1"}
+    pool = EncoderPool(["h1:1"], FakeConnection, PrefillMetrics(), refresh_interval_s=0)  # type: ignore[arg-type]
+    conn = pool.conn("h1:1")
+    assert conn is not None and conn.handshakes == 1  # type: ignore[attr-defined]
+    pool.refresh()
+    pool.refresh()
+    assert conn.handshakes == 1  # type: ignore[attr-defined]
+    assert pool.order(lambda: "x") == ["h1:1"]  # calls still go there, and fail naming both models
+    FakeConnection.other_model = set()  # redeployed with the expected model id
+    monkeypatch.setattr(pool_module, "REFUSED_RETRY_S", 0.0)
+    pool._members["h1:1"].identify_after = 0.0  # noqa: SLF001 - the pause, over
+    pool.refresh()
+    assert conn.handshakes == 2 and conn.encoder_id == "a"  # type: ignore[attr-defined]
 
 
 def test_an_encoder_of_other_weights_gets_no_items(listing: Path, monkeypatch: pytest.MonkeyPatch) -> None:
