@@ -226,6 +226,16 @@ class EncoderConnection:
         logger.info("handshook with encoder %s (incarnation %s, transport %s, vision weights %s)",
                     self.target, resp.incarnation_id[:8], resp.transport, resp.weights_digest or "-")
 
+    def recheck(self) -> bool:
+        """Handshake again now, as the pool does when an encoder it lost is ready again: True when it
+        answers as another incarnation (restarted: its NIXL peer is replaced now, as the next call
+        would have done), False when it is the one known (nothing changes: the transport keeps the
+        peer it has). Before any handshake, the first one."""
+        with self._lock:
+            before = self.incarnation_id
+            self._handshake()
+            return self.incarnation_id != before
+
     def reset(self) -> None:
         """Forget the peer: the next call handshakes again."""
         with self._lock:

@@ -33,7 +33,9 @@ cluster without a restart:
   handshake also connects the transport (and, for a client that probes its
   connections, reads once over it), so a request does not pay for first
   contact: on a busy vLLM worker that set-up has been seen to take longer
-  than a pull's deadline.
+  than a pull's deadline. An encoder that was not ready and is ready again is
+  asked again (it may have restarted): a new incarnation is connected then,
+  not by the next request.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class _Member:
     refused_until: float = 0.0  # serves other vision weights: no new items, no handshake before then
     missed: int = 0  # readiness probes in a row that got no answer by their deadline
     identify_after: float = 0.0  # refused the handshake (model id, layout): not asked early again before then
+    lost: bool = False  # handshaken, then not ready: it may come back as another incarnation (restarted)
 
     def takes_items(self, now: float) -> bool:
         return self.ready and self.refused_until <= now
@@ -251,6 +254,8 @@ class EncoderPool:
                 answer = None if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
                 logger.debug("encoder %s readiness unknown: %s (%d missed before)", target, exc.code(), member.missed)
             ready, member.missed = after_probe(member.ready, member.missed, answer)
+            if not ready and member.conn.incarnation_id:
+                member.lost = True
             if ready != member.ready:
                 logger.info("encoder %s is %s", target, "ready" if ready else "not ready (no new items)")
                 if answer is None:
@@ -283,8 +288,9 @@ class EncoderPool:
         self.metrics.encoders_ready.set(sum(m.takes_items(now) for m in members))
 
     def _identify(self) -> None:
-        """Handshake with ready encoders not handshaken yet: to rank them by their announced names,
-        and to make first contact (handshake, transport connection) before a request needs it.
+        """Handshake with ready encoders not handshaken yet, and again with those lost and ready
+        again: to rank them by their announced names, and to make first contact (handshake,
+        transport connection) with each incarnation before a request needs it.
 
         A failure leaves the encoder ranked by address; its own calls report the error.
         """
@@ -293,10 +299,15 @@ class EncoderPool:
         members = list(self._members.values())
         now = time.monotonic()
         for member in members:
-            if member.ready and not member.conn.incarnation_id and max(member.refused_until,
-                                                                       member.identify_after) <= now:
+            if member.ready and (member.lost or not member.conn.incarnation_id) and max(
+                    member.refused_until, member.identify_after) <= now:
                 try:
-                    member.conn.peer()
+                    if not member.lost:
+                        member.conn.peer()
+                    elif member.conn.recheck():
+                        logger.info("encoder %s is back as incarnation %s: reconnected", member.conn.target,
+                                    member.conn.incarnation_id[:8])
+                    member.lost = False
                 except WeightsMismatchError as exc:
                     # Unusable for this client until it rolls: asked again only after a while.
                     member.refused_until = now + REFUSED_RETRY_S

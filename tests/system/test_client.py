@@ -185,6 +185,34 @@ def test_restarted_producer_is_re_handshaken(tmp_path, transport) -> None:
         enc.terminate()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_restarted_encoder_is_reconnected_before_a_request_needs_it(tmp_path, transport) -> None:
+    """The client handshakes with its lone encoder when it is made, and again by itself once the
+    encoder is back from a restart (its readiness lost, then regained): the transport is connected
+    to the new incarnation, and the first request after the restart makes no handshake."""
+    port = free_port()
+    args = ("--transport", transport, "--cache-blocks", "8", "--block-size", "64", "--port", str(port))
+    enc = start_encoder(tmp_path, *args, name="first")
+    img = image_bytes(64, 96, seed=23)
+    try:
+        with EncoderCacheClient(f"127.0.0.1:{port}", MODEL, transport_kind=transport, membership_refresh_s=0.1,
+                                probe_connections=True) as client:
+            conn = client.connection(client.targets[0])
+            handshakes = client.metrics.handshakes.labels(result="ok")
+            assert conn is not None and conn.incarnation_id == enc.incarnation_id and handshakes._value.get() == 1
+            assert enc.terminate() == 0
+            enc = start_encoder(tmp_path, *args, name="second")
+            give_up = time.monotonic() + 30.0  # the pool asks every 0.1 s: this bounds a loaded box's wait
+            while conn.incarnation_id != enc.incarnation_id:
+                assert time.monotonic() < give_up, f"never reconnected to {enc.incarnation_id}: {conn.incarnation_id}"
+                time.sleep(0.05)
+            assert handshakes._value.get() == 2
+            assert matches(client.encode([MediaSpec.image(img)])[0].embeddings, REF.image(img))
+            assert handshakes._value.get() == 2  # the request found the new incarnation connected
+    finally:
+        enc.terminate()
+
+
 def test_two_encoders_spread_items_and_fail_over(tmp_path) -> None:
     a = start_encoder(tmp_path, "--transport", "mock", "--cache-blocks", "32", "--block-size", "64", name="a")
     b = start_encoder(tmp_path, "--transport", "mock", "--cache-blocks", "32", "--block-size", "64", name="b")

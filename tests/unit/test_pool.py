@@ -73,6 +73,13 @@ class FakeConnection:
             raise ConfigError(f"{self.target} refuses the handshake")
         self.encoder_id, self.incarnation_id = self.names[self.target], "inc"
 
+    def recheck(self) -> bool:
+        """A handshake again: the encoder comes back as another incarnation."""
+        before = self.incarnation_id
+        self.peer()
+        self.incarnation_id = f"inc-{self.handshakes}"
+        return self.incarnation_id != before
+
     def readiness(self, timeout_s: float) -> _Answer:
         return _Answer(self.status.get(self.target, SERVING))
 
@@ -301,6 +308,32 @@ def test_a_lone_encoder_is_handshaken_once_it_is_ready() -> None:
                         identify=False)
     watch.refresh()
     assert watch.conn("h1:1").handshakes == 0  # type: ignore[union-attr]
+
+
+def test_an_encoder_that_was_lost_is_asked_again_once_ready() -> None:
+    """Not ready (restarting, or unreachable) and then ready again: handshaken again at once, so a
+    new incarnation is connected before a request finds it; while ready, never again."""
+    FakeConnection.names = {"h1:1": "a"}
+    pool = EncoderPool(["h1:1"], FakeConnection, PrefillMetrics(), refresh_interval_s=0)  # type: ignore[arg-type]
+    conn = pool.conn("h1:1")
+    assert conn is not None and conn.handshakes == 1  # type: ignore[attr-defined]
+    first = conn.incarnation_id
+    FakeConnection.status = {"h1:1": None}  # killed: refuses the connection
+    pool.refresh()
+    FakeConnection.status = {"h1:1": NOT_SERVING}  # back, warming up
+    pool.refresh()
+    assert conn.handshakes == 1 and not pool.ready("h1:1")  # type: ignore[attr-defined]
+    FakeConnection.status = {}
+    pool.refresh()
+    assert conn.handshakes == 2 and conn.incarnation_id != first  # type: ignore[attr-defined]
+    pool.refresh()
+    assert conn.handshakes == 2  # type: ignore[attr-defined]
+    # One late answer keeps it ready: not lost, not asked again.
+    FakeConnection.status = {"h1:1": LATE}
+    pool.refresh()
+    FakeConnection.status = {}
+    pool.refresh()
+    assert conn.handshakes == 2  # type: ignore[attr-defined]
 
 
 def test_an_encoder_of_another_model_is_not_asked_on_every_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
