@@ -203,7 +203,8 @@ def test_a_restarted_encoder_is_reconnected_before_a_request_needs_it(tmp_path, 
             assert enc.terminate() == 0
             enc = start_encoder(tmp_path, *args, name="second")
             give_up = time.monotonic() + 30.0  # the pool asks every 0.1 s: this bounds a loaded box's wait
-            while conn.incarnation_id != enc.incarnation_id:
+            # Counted just after the incarnation is set: wait for both.
+            while conn.incarnation_id != enc.incarnation_id or handshakes._value.get() < 2:
                 assert time.monotonic() < give_up, f"never reconnected to {enc.incarnation_id}: {conn.incarnation_id}"
                 time.sleep(0.05)
             assert handshakes._value.get() == 2
