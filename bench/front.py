@@ -137,8 +137,8 @@ def text_message(tag: str, chars: int | None = None) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
 
 
-# An Encode of four 224-336 px images through a 2B-wide tower on the encoder's one core: 20-40 s on a
-# 2-core AVX2 host, past the client's default deadline (10 s).
+# An Encode of four images through the 2B-wide tower on the encoder's one core: past the client's
+# default deadline (10 s) on a 2-core AVX2 host, where the phase failed on it twice.
 PLACE_TIMEOUT_S = 300.0
 
 

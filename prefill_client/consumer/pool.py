@@ -90,9 +90,9 @@ class EncoderDown(EpdError):
 class _Member:
     conn: EncoderConnection
     ready: bool = True  # until the first probe says otherwise
-    refused_until: float = 0.0  # serves other vision weights: no new items, no handshake before then
+    refused_until: float = 0.0  # serves other vision weights: no new items before then
     missed: int = 0  # readiness probes in a row that got no answer by their deadline
-    identify_after: float = 0.0  # refused the handshake (model id, layout): not asked early again before then
+    identify_after: float = 0.0  # refused the last handshake (weights, model id, layout): no early one before then
     lost: bool = False  # handshaken, then not ready: it may come back as another incarnation (restarted)
 
     def takes_items(self, now: float) -> bool:
@@ -299,8 +299,7 @@ class EncoderPool:
         members = list(self._members.values())
         now = time.monotonic()
         for member in members:
-            if member.ready and (member.lost or not member.conn.incarnation_id) and max(
-                    member.refused_until, member.identify_after) <= now:
+            if member.ready and (member.lost or not member.conn.incarnation_id) and member.identify_after <= now:
                 try:
                     if not member.lost:
                         member.conn.peer()
@@ -310,7 +309,7 @@ class EncoderPool:
                     member.lost = False
                 except WeightsMismatchError as exc:
                     # Unusable for this client until it rolls: asked again only after a while.
-                    member.refused_until = now + REFUSED_RETRY_S
+                    member.refused_until = member.identify_after = now + REFUSED_RETRY_S
                     logger.warning("%s; no items go there (asked again in %.0f s)", exc, REFUSED_RETRY_S)
                 except HandshakeError as exc:
                     # Another model id or layout: a redeploy fixes it, not a retry every refresh. Calls

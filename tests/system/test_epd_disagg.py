@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,24 +85,6 @@ def _first_handshake(prefill: Server, decode: Server) -> None:
     raise AssertionError(f"decode {decode.url} never took the prefill's KV: {failures}")
 
 
-def _first_image(proxy: Server, prefill: Server) -> None:
-    """One image request through the proxy before any test: the prefill's first pull from the
-    encoder. A fresh-clone run once saw the first image request fail in the prefill (a 500, its
-    item still on the encoder) and never again in that run, without the log to say why. A failed
-    try is tried again and reported as a warning with the prefill's log, so the suite's summary
-    shows it; five failures fail every test."""
-    failures: list[str] = []
-    for _ in range(HANDSHAKE_TRIES):
-        resp = _post(proxy.url, _body([image_url(5, 64, 64)], "warm up", max_tokens=2))
-        if resp.status_code == 200:
-            break
-        failures.append(f"{resp.status_code}: {resp.text[:300]}")
-        warnings.warn(f"E + P + D: the first image request failed ({failures[-1]}); prefill log:\n"
-                      f"{_notable(prefill)}", stacklevel=1)
-    else:
-        raise AssertionError(f"no image request got through the split: {failures}")
-
-
 @pytest.fixture(scope="module")
 def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
     reason = vllm_missing()
@@ -137,7 +118,6 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
             _first_handshake(prefill, server)
         proxy = start_proxy(tmp / "proxy.log", [encoder.target], [], "--model-id", MODEL,
                             *split_args([prefill], decode))
-        _first_image(proxy, prefill)
         yield Split(tmp, encoder, baseline, prefill, decode, proxy)
     finally:
         if proxy is not None:

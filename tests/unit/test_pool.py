@@ -369,7 +369,7 @@ def test_an_encoder_of_other_weights_gets_no_items(listing: Path, monkeypatch: p
     # Rolled to the expected weights: asked again once the pause is over, then it takes items.
     monkeypatch.setattr(pool_module, "REFUSED_RETRY_S", 0.0)
     FakeConnection.wrong_weights = set()
-    pool._members["h2:2"].refused_until = 0.0  # noqa: SLF001 - the pause, over
+    pool._members["h2:2"].refused_until = pool._members["h2:2"].identify_after = 0.0  # noqa: SLF001 - the pause, over
     pool.refresh()
     assert h2.encoder_id == "b" and metrics.encoders_ready._value.get() == 3  # type: ignore[attr-defined]
 
